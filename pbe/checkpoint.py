@@ -1,0 +1,99 @@
+"""Checkpoints that never unpickle: safetensors weights plus a JSON sidecar that rebuilds the model.
+
+``save(model, "out/model", meta)`` writes ``out/model.safetensors`` and ``out/model.json``;
+``load("out/model")`` (or the directory, or either file) returns the model and its metadata.
+A legacy ``.pt`` state dict is read with ``torch.load(weights_only=True)`` only.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from pbe import models
+from pbe.utils import PBEError, atomic_path, toolkit_version, write_json
+
+WEIGHTS, SIDECAR = ".safetensors", ".json"
+
+
+def _stem(path: str | Path) -> Path:
+    path = Path(path)
+    if path.is_dir():
+        found = sorted(path.glob(f"*{WEIGHTS}"))
+        if (path / f"model{WEIGHTS}").exists():
+            return path / "model"
+        if len(found) == 1:
+            return found[0].with_suffix("")
+        raise PBEError(f"{path} holds {len(found)} .safetensors files; name the one to load")
+    return path.with_suffix("") if path.suffix in (WEIGHTS, SIDECAR) else path
+
+
+def save(model: nn.Module, path: str | Path, meta: dict | None = None) -> Path:
+    """Write weights and sidecar atomically; returns the weights path.
+
+    The sidecar records the architecture (from ``pbe.models.create``) unless `meta` gives one.
+    """
+    stem = _stem(path) if Path(path).suffix in (WEIGHTS, SIDECAR) else Path(path)
+    if stem.is_dir():
+        stem = stem / "model"
+    spec = getattr(model, "pbe_spec", None)
+    sidecar = {"format": "pbe-checkpoint-1", "architecture": spec, "toolkit_version": toolkit_version()}
+    sidecar.update(meta or {})
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    with atomic_path(stem.with_suffix(WEIGHTS)) as tmp:
+        save_file(state, str(tmp), metadata={"format": "pt"})
+    write_json(stem.with_suffix(SIDECAR), sidecar)
+    return stem.with_suffix(WEIGHTS)
+
+
+def read_meta(path: str | Path) -> dict:
+    side = _stem(path).with_suffix(SIDECAR)
+    if not side.exists():
+        raise PBEError(f"sidecar {side} not found; it records the architecture needed to rebuild the model")
+    try:
+        return json.loads(side.read_text())
+    except json.JSONDecodeError as err:
+        raise PBEError(f"sidecar {side} is not valid JSON: {err}") from err
+
+
+def load(path: str | Path, device="cpu", architecture: dict | None = None) -> tuple[nn.Module, dict]:
+    """Rebuild a model from its sidecar and load its weights; returns ``(model, meta)``.
+
+    For a legacy ``.pt`` state dict pass ``architecture={"name": ..., "num_classes": ..., ...}``.
+    """
+    path = Path(path)
+    if path.suffix in (".pt", ".pth"):
+        meta = {"architecture": architecture}
+        if architecture is None:
+            raise PBEError(f"{path} is a bare state dict; pass architecture={{'name': 'preact_resnet18', "
+                           "'num_classes': 10, ...}} (CLI: --arch) to rebuild it")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - any failure means an unusable file
+            raise PBEError(f"cannot read {path} as a weights-only state dict: {err}") from err
+        if isinstance(state, dict) and "state_dict" in state:
+            state = state["state_dict"]
+    else:
+        stem = _stem(path)
+        meta = read_meta(stem)
+        weights = stem.with_suffix(WEIGHTS)
+        if not weights.exists():
+            raise PBEError(f"weights {weights} not found")
+        try:
+            state = load_file(str(weights))
+        except (SafetensorError, OSError) as err:
+            raise PBEError(f"{weights} is not a readable safetensors file: {err}") from err
+        architecture = architecture or meta.get("architecture")
+        if not architecture:
+            raise PBEError(f"{stem.with_suffix(SIDECAR)} names no architecture; pass architecture=")
+    spec = dict(architecture)
+    model = models.create(spec.pop("name"), spec.pop("num_classes"), spec.pop("in_channels", 3), **spec)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        raise PBEError(f"weights in {path} do not fit {models.describe(model)}: {str(err)[:300]}") from err
+    return model.to(device).eval(), meta

@@ -1,0 +1,150 @@
+"""Command line: ``pbe train | evaluate | data | attack | ...``. User mistakes print one line, exit 2."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from pbe.utils import PBEError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
+    p.add_argument("--seed", type=int, default=0, help="seed for every random draw (default: 0)")
+    p.add_argument("--out", type=Path, help="output directory")
+    p.add_argument("--data-root", type=Path, help="dataset folder (not needed for the built-in 'digits')")
+    p.add_argument("--dataset", default="digits",
+                   help="cifar10 | mnist | gtsrb | digits | imagefolder:PATH | npz:PATH (default: digits)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _load_both(args):
+    from pbe import data
+    train = data.load(args.dataset, args.data_root, "train", download=getattr(args, "download", False))
+    test = data.load(args.dataset, args.data_root, "test", download=getattr(args, "download", False))
+    return train, test
+
+
+def build_model(recipe, train_set, dataset_name: str):
+    from pbe import models
+    return models.create(recipe.model, train_set.num_classes, train_set.image_shape[0],
+                         dataset=dataset_name, width=recipe.width)
+
+
+def cmd_train(args) -> dict:
+    from pbe import checkpoint, metrics
+    from pbe.train import get_recipe, train
+    from pbe.utils import hardware_string, write_json
+    from dataclasses import asdict
+
+    if args.out is None:
+        raise PBEError("pbe train needs --out DIR for the model and its metrics")
+    recipe = get_recipe(args.recipe, epochs=args.epochs, model=args.model, width=args.width)
+    train_set, test_set = _load_both(args)
+    model = build_model(recipe, train_set, args.dataset)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "train_log.jsonl"
+    log.unlink(missing_ok=True)
+    start = time.time()
+    train(model, train_set, test_set, recipe, seed=args.seed, device=args.device, log_path=log,
+          progress=not args.no_progress)
+    wall = time.time() - start
+    result = {**metrics.evaluate(model, test_set), "wall_s": round(wall, 1), "hardware": hardware_string(),
+              "command": " ".join(["pbe"] + sys.argv[1:])}
+    meta = {"dataset": args.dataset, "classes": train_set.classes, "seed": args.seed,
+            "recipe": args.recipe, "recipe_fields": asdict(recipe), "metrics": result}
+    checkpoint.save(model, args.out / "model", meta)
+    write_json(args.out / "metrics.json", result)
+    print(json.dumps(result))
+    return result
+
+
+def cmd_evaluate(args) -> dict:
+    from pbe import checkpoint, data, metrics
+    model, meta = checkpoint.load(args.model, device="cpu")
+    if args.dataset == "digits" and meta.get("dataset") not in (None, "digits"):
+        args.dataset = meta["dataset"]
+    test_set = data.load(args.dataset, args.data_root, "test")
+    attack = None
+    if args.attack_state:
+        import attacks
+        attack = attacks.load(args.attack_state)
+    result = metrics.evaluate(model, test_set, attack)
+    print(json.dumps(result))
+    if args.out:
+        from pbe.utils import write_json
+        write_json(Path(args.out) / "evaluation.json", result)
+    return result
+
+
+def cmd_data(args) -> dict:
+    train_set, test_set = _load_both(args)
+    info = {"train": train_set.summary(), "test": test_set.summary()}
+    print(json.dumps(info, indent=1))
+    return info
+
+
+def parser() -> argparse.ArgumentParser:
+    from pbe import __version__
+    from pbe.train import RECIPES
+    ap = argparse.ArgumentParser(prog="pbe", description="Backdoor defence toolkit (Progressive Backdoor Erasing).")
+    ap.add_argument("--version", action="version", version=f"pbe {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a model on a dataset and save it with its metrics")
+    _common(p)
+    p.add_argument("--recipe", default="tiny", choices=sorted(RECIPES), help="training recipe (default: tiny)")
+    p.add_argument("--epochs", type=int, help="override the recipe's epochs")
+    p.add_argument("--model", help="override the recipe's model (see pbe.models.available())")
+    p.add_argument("--width", type=int, help="override the recipe's model width")
+    p.add_argument("--download", action="store_true", help="download the dataset if missing (torchvision)")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("evaluate", help="clean accuracy (and ASR/RA with --attack-state) of a saved model")
+    _common(p)
+    p.add_argument("--model", required=True, help="checkpoint: directory, .safetensors or its .json")
+    p.add_argument("--attack-state", help="attack state file saved by `pbe attack`, to measure ASR and RA")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("data", help="load a dataset (decode and cache it) and print its summary")
+    _common(p)
+    p.add_argument("--download", action="store_true", help="download the dataset if missing (torchvision)")
+    p.set_defaults(func=cmd_data)
+
+    for extra in _extensions():
+        extra(sub, _common)
+    return ap
+
+
+def _extensions():
+    """Subcommands contributed by other modules (attacks, defences)."""
+    found = []
+    for mod in ("attacks.cli", "pbe.defense_cli"):
+        try:
+            found.append(__import__(mod, fromlist=["register"]).register)
+        except ModuleNotFoundError as err:
+            if err.name not in (mod, mod.split(".")[0]):
+                raise
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.func(args)
+    except PBEError as err:
+        print(f"pbe {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as err:
+        print(f"pbe {args.command}: error: {err.strerror}: {err.filename}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,401 @@
+"""Datasets as one uint8 tensor in memory, a loader registry, and batched augmentation.
+
+`load(name, root, split)` returns an `ImageDataset`: images uint8 (N, C, H, W), labels int64 (N,).
+Nothing is downloaded unless `download=True`. Decoded image trees are cached as `.npy` under
+`$PBE_CACHE` (default `~/.cache/pbe`), keyed by a hash of the source files, so a second load is fast.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pbe.utils import PBEError, atomic_path
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp")
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+@dataclass
+class ImageDataset:
+    """Images uint8 (N, C, H, W) in [0, 255] and int64 labels, held in memory."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    classes: list[str]
+    name: str = "dataset"
+    flip: bool = True  # horizontal flip is a valid augmentation for this data
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return tuple(self.images.shape[1:])  # type: ignore[return-value]
+
+    def subset(self, indices) -> "ImageDataset":
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        return ImageDataset(self.images[idx], self.labels[idx], self.classes, self.name, self.flip, self.source)
+
+    def floats(self) -> torch.Tensor:
+        """All images as float32 in [0, 1]."""
+        return self.images.float().div_(255)
+
+    def summary(self) -> dict:
+        counts = torch.bincount(self.labels, minlength=self.num_classes).tolist()
+        return {"name": self.name, "size": len(self), "shape": list(self.image_shape),
+                "classes": self.classes, "per_class": counts, "source": self.source}
+
+
+def validate(ds: ImageDataset) -> None:
+    """Check types, shapes and label range; say what does not fit."""
+    x, y = ds.images, ds.labels
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.uint8 or x.dim() != 4:
+        raise PBEError(f"{ds.name}: images must be a uint8 tensor (N, C, H, W), got "
+                       f"{getattr(x, 'dtype', type(x))} with shape {tuple(getattr(x, 'shape', ()))}")
+    if x.shape[1] not in (1, 3):
+        raise PBEError(f"{ds.name}: expected 1 or 3 channels in dimension 1, got shape {tuple(x.shape)}; "
+                       "images must be channels-first (N, C, H, W)")
+    if not isinstance(y, torch.Tensor) or y.dtype != torch.int64 or y.shape != (x.shape[0],):
+        raise PBEError(f"{ds.name}: labels must be int64 of shape ({x.shape[0]},), got "
+                       f"{getattr(y, 'dtype', type(y))} {tuple(getattr(y, 'shape', ()))}")
+    if len(y) and (int(y.min()) < 0 or int(y.max()) >= len(ds.classes)):
+        raise PBEError(f"{ds.name}: labels span [{int(y.min())}, {int(y.max())}] but there are "
+                       f"{len(ds.classes)} classes")
+
+
+# ---------------------------------------------------------------- registry
+Loader = Callable[..., ImageDataset]
+_LOADERS: dict[str, Loader] = {}
+
+
+def register(name: str) -> Callable[[Loader], Loader]:
+    def deco(fn: Loader) -> Loader:
+        _LOADERS[name] = fn
+        return fn
+    return deco
+
+
+def available() -> list[str]:
+    return sorted(_LOADERS) + ["imagefolder:<path>", "npz:<path>"]
+
+
+def load(name: str, root: str | os.PathLike | None = None, split: str = "train",
+         download: bool = False, **kwargs) -> ImageDataset:
+    """Load a dataset by registry name, e.g. ``load("cifar10", root="data/cifar10", split="test")``."""
+    if split not in ("train", "test"):
+        raise PBEError(f"split must be 'train' or 'test', got {split!r}")
+    if name.startswith("imagefolder:"):
+        return load_imagefolder(name.split(":", 1)[1], split, **kwargs)
+    if name.startswith("npz:"):
+        return load_npz_dir(name.split(":", 1)[1], split, **kwargs)
+    if name not in _LOADERS:
+        raise PBEError(f"unknown dataset {name!r}; available: {', '.join(available())}")
+    if name != "digits" and root is None:
+        raise PBEError(f"dataset {name!r} needs a root folder (--data-root); 'digits' needs none")
+    return _LOADERS[name](root=None if root is None else Path(root), split=split, download=download, **kwargs)
+
+
+def _missing(name: str, looked: list[Path], how: str) -> PBEError:
+    where = "\n  ".join(str(p) for p in looked)
+    return PBEError(f"{name} not found; looked in:\n  {where}\n{how}")
+
+
+# ---------------------------------------------------------------- digits (built in)
+@register("digits")
+def load_digits(root=None, split="train", download=False, test_fraction: float = 0.2) -> ImageDataset:
+    """scikit-learn's 8x8 digits (1,797 images, values 0..16) scaled to uint8; fixed stratified split."""
+    from sklearn.datasets import load_digits as sk_digits
+    from sklearn.model_selection import train_test_split
+
+    d = sk_digits()
+    images = np.round(d.images * (255.0 / 16.0)).astype(np.uint8)[:, None]
+    idx_train, idx_test = train_test_split(np.arange(len(d.target)), test_size=test_fraction,
+                                           random_state=0, stratify=d.target)
+    idx = idx_train if split == "train" else idx_test
+    return ImageDataset(torch.from_numpy(images[idx]), torch.from_numpy(d.target[idx].astype(np.int64)),
+                        [str(i) for i in range(10)], "digits", flip=False, source="sklearn.datasets.load_digits")
+
+
+# ---------------------------------------------------------------- cifar10
+class _ArrayUnpickler(pickle.Unpickler):
+    """Unpickler that only rebuilds plain containers and NumPy arrays (CIFAR batches need no more)."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
+               ("numpy._core.multiarray", "scalar"), ("_codecs", "encode")}
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise PBEError(f"refusing to unpickle {module}.{name}: a CIFAR batch holds only arrays")
+        return super().find_class(module, name)
+
+
+@register("cifar10")
+def load_cifar10(root: Path, split="train", download=False) -> ImageDataset:
+    """torchvision's ``cifar-10-batches-py`` layout, or an ImageFolder tree (train/, test/)."""
+    candidates = [root / "cifar-10-batches-py", root]
+    for c in candidates:
+        if (c / "data_batch_1").exists():
+            return _cifar_batches(c, split)
+    if (root / split).is_dir():
+        ds = load_imagefolder(root, split, expected_classes=10)
+        ds.name = "cifar10"
+        return ds
+    if download:
+        import torchvision
+        torchvision.datasets.CIFAR10(str(root), train=split == "train", download=True)
+        return _cifar_batches(root / "cifar-10-batches-py", split)
+    raise _missing("CIFAR-10", candidates + [root / split],
+                   "Get it with `pbe data --dataset cifar10 --data-root DIR --download` (torchvision), "
+                   "or point --data-root at an ImageFolder tree with train/<class>/ and test/<class>/.")
+
+
+def _cifar_batches(folder: Path, split: str) -> ImageDataset:
+    files = [f"data_batch_{i}" for i in range(1, 6)] if split == "train" else ["test_batch"]
+    xs, ys = [], []
+    for f in files:
+        with open(folder / f, "rb") as fh:
+            entry = _ArrayUnpickler(fh, encoding="latin1").load()
+        xs.append(np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+        ys.append(np.asarray(entry.get("labels", entry.get("fine_labels")), dtype=np.int64))
+    return ImageDataset(torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys)),
+                        CIFAR10_CLASSES, "cifar10", source=str(folder))
+
+
+# ---------------------------------------------------------------- mnist
+def _read_idx(path: Path) -> np.ndarray:
+    raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
+    ndim = raw[3]
+    shape = tuple(int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+@register("mnist")
+def load_mnist(root: Path, split="train", download=False) -> ImageDataset:
+    """``mnist_{train,test}.npz`` (keys images, labels) or torchvision's ``MNIST/raw`` IDX files."""
+    npz = root / f"mnist_{split}.npz"
+    if npz.exists():
+        ds = _npz(npz, [str(i) for i in range(10)], "mnist")
+        ds.flip = False
+        return ds
+    prefix = "train" if split == "train" else "t10k"
+    for raw in (root / "MNIST" / "raw", root / "raw", root):
+        for suffix in ("", ".gz"):
+            img, lab = raw / f"{prefix}-images-idx3-ubyte{suffix}", raw / f"{prefix}-labels-idx1-ubyte{suffix}"
+            if img.exists() and lab.exists():
+                x = torch.from_numpy(_read_idx(img).copy())[:, None]
+                y = torch.from_numpy(_read_idx(lab).astype(np.int64))
+                return ImageDataset(x, y, [str(i) for i in range(10)], "mnist", flip=False, source=str(raw))
+    if download:
+        import torchvision
+        torchvision.datasets.MNIST(str(root), train=split == "train", download=True)
+        return load_mnist(root, split)
+    raise _missing("MNIST", [npz, root / "MNIST" / "raw"],
+                   "Get it with `pbe data --dataset mnist --data-root DIR --download` (torchvision).")
+
+
+# ---------------------------------------------------------------- gtsrb
+@register("gtsrb")
+def load_gtsrb(root: Path, split="train", download=False, image_size: int = 32) -> ImageDataset:
+    """``gtsrb32_{train,test}.npz`` or torchvision's GTSRB layout (resized to image_size)."""
+    classes = [str(i) for i in range(43)]
+    npz = root / f"gtsrb32_{split}.npz"
+    if npz.exists():
+        ds = _npz(npz, classes, "gtsrb")
+        ds.flip = False  # traffic signs are not mirror-symmetric
+        return ds
+    root = root.resolve()
+    base = root / "gtsrb" / "GTSRB" if (root / "gtsrb").exists() else root / "GTSRB"
+    if split == "train" and (base / "Training").is_dir():
+        files = sorted((base / "Training").glob("*/*.ppm"))
+        labels = [int(p.parent.name) for p in files]
+    elif split == "test" and (base / "Final_Test" / "Images").is_dir():
+        csv = next((base.parent).glob("GT-final_test.csv"), None) or next(base.rglob("GT-final_test.csv"), None)
+        if csv is None:
+            raise PBEError(f"GTSRB test labels GT-final_test.csv not found under {base.parent}")
+        rows = [r.split(";") for r in csv.read_text().splitlines()[1:] if r]
+        files = [base / "Final_Test" / "Images" / r[0] for r in rows]
+        labels = [int(r[-1]) for r in rows]
+    elif download:
+        import torchvision
+        torchvision.datasets.GTSRB(str(root), split=split, download=True)
+        return load_gtsrb(root, split, image_size=image_size)
+    else:
+        raise _missing("GTSRB", [npz, base / "Training", base / "Final_Test"],
+                       "Get it with `pbe data --dataset gtsrb --data-root DIR --download` (torchvision), "
+                       "or provide gtsrb32_train.npz / gtsrb32_test.npz (keys images, labels).")
+    x = _cached_decode(files, image_size)
+    ds = ImageDataset(x, torch.tensor(labels, dtype=torch.int64), classes, "gtsrb", flip=False, source=str(base))
+    return ds
+
+
+# ---------------------------------------------------------------- user data
+def _npz(path: Path, classes: list[str] | None, name: str) -> ImageDataset:
+    with np.load(path, allow_pickle=False) as f:
+        if "images" not in f or "labels" not in f:
+            raise PBEError(f"{path}: an npz dataset needs the keys 'images' and 'labels', found {sorted(f.keys())}")
+        images, labels = f["images"], f["labels"]
+    if images.dtype != np.uint8:
+        raise PBEError(f"{path}: images must be uint8 in [0, 255], got {images.dtype}")
+    if images.ndim == 3:
+        images = images[..., None]
+    if images.ndim != 4 or images.shape[-1] not in (1, 3):
+        raise PBEError(f"{path}: images must be (N, H, W, C) with C in (1, 3), got {images.shape}")
+    x = torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2)))
+    y = torch.from_numpy(labels.astype(np.int64))
+    if classes is None:
+        classes = [str(i) for i in range(int(y.max()) + 1)]
+    return ImageDataset(x, y, classes, name, source=str(path))
+
+
+def load_npz_dir(path: str | os.PathLike, split: str = "train") -> ImageDataset:
+    """``npz:<path>``: a file, or a folder holding ``*{split}*.npz``, with keys images (N,H,W,C) and labels."""
+    p = Path(path)
+    if p.is_dir():
+        found = sorted(p.glob(f"*{split}*.npz"))
+        if len(found) != 1:
+            raise PBEError(f"expected exactly one '*{split}*.npz' in {p}, found {[f.name for f in found]}")
+        p = found[0]
+    if not p.exists():
+        raise PBEError(f"npz dataset {p} does not exist")
+    return _npz(p, None, f"npz:{path}")
+
+
+def load_imagefolder(path: str | os.PathLike, split: str = "train", image_size: int | None = None,
+                     expected_classes: int | None = None) -> ImageDataset:
+    """``imagefolder:<path>``: ``path/<split>/<class>/*.jpg`` (or ``path/<class>/*`` for one split).
+
+    Class folders in sorted order are the label ids. Decoding is batched and cached.
+    """
+    root = Path(path).resolve()
+    folder = root / split if (root / split).is_dir() else root
+    if not folder.is_dir():
+        raise PBEError(f"image folder {folder} does not exist")
+    classes = sorted(d.name for d in folder.iterdir() if d.is_dir())
+    if not classes:
+        raise PBEError(f"{folder} holds no class folders; expected {folder}/<class>/<image>")
+    if expected_classes is not None and len(classes) != expected_classes:
+        raise PBEError(f"{folder} has {len(classes)} class folders, expected {expected_classes}: {classes}")
+    files, labels = [], []
+    for k, c in enumerate(classes):
+        fs = sorted(f for f in (folder / c).iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+        files += fs
+        labels += [k] * len(fs)
+    if not files:
+        raise PBEError(f"no images ({', '.join(IMAGE_SUFFIXES)}) under {folder}")
+    x = _cached_decode(files, image_size)
+    return ImageDataset(x, torch.tensor(labels, dtype=torch.int64), classes, f"imagefolder:{path}",
+                        source=str(folder))
+
+
+# ---------------------------------------------------------------- decoding and cache
+def cache_dir() -> Path:
+    return Path(os.environ.get("PBE_CACHE", Path.home() / ".cache" / "pbe"))
+
+
+def _source_key(files: list[Path], image_size: int | None) -> str:
+    """Hash of the (absolute) paths, sizes and modification times, so a changed source re-decodes."""
+    h = hashlib.sha256(f"v1 size={image_size}".encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:24]
+
+
+def _cached_decode(files: list[Path], image_size: int | None) -> torch.Tensor:
+    key = _source_key(files, image_size)
+    cached = cache_dir() / f"images-{key}.npy"
+    if cached.exists():
+        try:
+            return torch.from_numpy(np.load(cached, allow_pickle=False))
+        except (ValueError, OSError):
+            cached.unlink()  # a damaged cache is rebuilt, never trusted
+    x = decode_images(files, image_size)
+    try:
+        with atomic_path(cached) as tmp:
+            with open(tmp, "wb") as fh:
+                np.save(fh, x.numpy(), allow_pickle=False)
+    except OSError:
+        pass  # a read-only home still loads, only slower
+    return x
+
+
+def decode_images(files: list[Path], image_size: int | None = None, chunk: int = 4096) -> torch.Tensor:
+    """Decode image files to uint8 (N, C, H, W); JPEGs go through batched ``decode_jpeg``."""
+    import torchvision.io as tio
+    import torchvision.transforms.functional as TF
+
+    out: list[torch.Tensor] = []
+    for start in range(0, len(files), chunk):
+        part = files[start:start + chunk]
+        if all(f.suffix.lower() in (".jpg", ".jpeg") for f in part):
+            datas = [tio.read_file(str(f)) for f in part]
+            imgs = tio.decode_jpeg(datas, mode=tio.ImageReadMode.UNCHANGED)
+        else:
+            imgs = [_decode_one(f) for f in part]
+        for f, im in zip(part, imgs):
+            if image_size is not None and tuple(im.shape[1:]) != (image_size, image_size):
+                im = TF.resize(im, [image_size, image_size], antialias=True)
+            out.append(im)
+    shapes = {tuple(t.shape) for t in out}
+    if len({s[0] for s in shapes}) > 1:  # mixed grey and colour: promote grey
+        out = [t.expand(3, -1, -1) if t.shape[0] == 1 else t for t in out]
+        shapes = {tuple(t.shape) for t in out}
+    if len(shapes) != 1:
+        raise PBEError(f"images have different sizes {sorted(shapes)[:3]}...; pass image_size=N to resize them")
+    return torch.stack(out).contiguous()
+
+
+def _decode_one(f: Path) -> torch.Tensor:
+    import torchvision.io as tio
+    if f.suffix.lower() in (".ppm", ".bmp"):
+        from PIL import Image
+        with Image.open(f) as im:
+            arr = np.asarray(im.convert("RGB"))
+        return torch.from_numpy(arr.copy()).permute(2, 0, 1)
+    return tio.decode_image(tio.read_file(str(f)), mode=tio.ImageReadMode.UNCHANGED)
+
+
+# ---------------------------------------------------------------- batched augmentation
+def random_crop(x: torch.Tensor, padding: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random crop of every image after zero padding, as two gathers (no per-image loop)."""
+    if padding <= 0:
+        return x
+    n, c, h, w = x.shape
+    padded = torch.nn.functional.pad(x, (padding,) * 4)
+    dy = torch.randint(0, 2 * padding + 1, (n,), generator=generator).to(x.device)
+    dx = torch.randint(0, 2 * padding + 1, (n,), generator=generator).to(x.device)
+    rows = dy[:, None] + torch.arange(h, device=x.device)
+    cols = dx[:, None] + torch.arange(w, device=x.device)
+    padded = padded.gather(2, rows[:, None, :, None].expand(n, c, h, w + 2 * padding))
+    return padded.gather(3, cols[:, None, None, :].expand(n, c, h, w))
+
+
+def random_flip(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    flip = (torch.rand(x.shape[0], generator=generator) < 0.5).to(x.device)
+    return torch.where(flip[:, None, None, None], x.flip(3), x)
+
+
+def augment(x: torch.Tensor, padding: int = 4, flip: bool = True,
+            generator: torch.Generator | None = None) -> torch.Tensor:
+    """Standard CIFAR-style augmentation on a whole batch."""
+    x = random_crop(x, padding, generator)
+    return random_flip(x, generator) if flip else x

@@ -1,0 +1,201 @@
+"""Model registry. Every model takes inputs in [0, 1] and normalises inside, so adversarial
+budgets are in pixel units and attack bounds are (0, 1). Any user ``nn.Module`` following that
+convention works with the rest of the toolkit.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pbe.utils import PBEError
+
+DATASET_STATS = {
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "mnist": ((0.1307,), (0.3081,)),
+    "gtsrb": ((0.3403, 0.3121, 0.3214), (0.2724, 0.2608, 0.2669)),
+    "digits": ((0.3,), (0.38,)),
+}
+
+
+class Normalize(nn.Module):
+    def __init__(self, mean: Iterable[float], std: Iterable[float]):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(list(mean)).view(1, -1, 1, 1))
+        self.register_buffer("std", torch.tensor(list(std)).view(1, -1, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+
+def _normalizer(in_channels: int, mean, std) -> Normalize:
+    mean = [0.5] * in_channels if mean is None else list(mean)
+    std = [0.25] * in_channels if std is None else list(std)
+    if len(mean) != in_channels or len(std) != in_channels:
+        raise PBEError(f"mean/std need {in_channels} values (one per channel), got {mean} / {std}")
+    return Normalize(mean, std)
+
+
+# ---------------------------------------------------------------- PreAct-ResNet-18
+class PreActBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.bn1 = nn.BatchNorm2d(cin)
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.shortcut = (nn.Conv2d(cin, cout, 1, stride, bias=False)
+                         if stride != 1 or cin != cout else None)
+
+    def forward(self, x):
+        out = F.relu(self.bn1(x))
+        skip = self.shortcut(out) if self.shortcut is not None else x
+        out = self.conv1(out)
+        out = self.conv2(F.relu(self.bn2(out)))
+        return out + skip
+
+
+class PreActResNet18(nn.Module):
+    """PreAct-ResNet-18 (He et al. 2016) as used by PBE and BackdoorBench; `width` scales channels."""
+
+    def __init__(self, num_classes=10, in_channels=3, width=64, mean=None, std=None):
+        super().__init__()
+        self.normalize = _normalizer(in_channels, mean, std)
+        self.conv1 = nn.Conv2d(in_channels, width, 3, 1, 1, bias=False)
+        layers, cin = [], width
+        for i, stride in enumerate((1, 2, 2, 2)):
+            cout = width * 2 ** i
+            layers.append(nn.Sequential(PreActBlock(cin, cout, stride), PreActBlock(cout, cout, 1)))
+            cin = cout
+        self.layer1, self.layer2, self.layer3, self.layer4 = layers
+        self.bn = nn.BatchNorm2d(cin)
+        self.linear = nn.Linear(cin, num_classes)
+
+    def features(self, x):
+        out = self.conv1(self.normalize(x))
+        out = self.layer4(self.layer3(self.layer2(self.layer1(out))))
+        out = F.relu(self.bn(out))
+        return F.adaptive_avg_pool2d(out, 1).flatten(1)
+
+    def forward(self, x):
+        return self.linear(self.features(x))
+
+
+# ---------------------------------------------------------------- small nets
+def _conv_bn(cin, cout):
+    return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
+
+
+class SmallCNN(nn.Module):
+    """Two conv stages and a linear head, for 28x28 (MNIST) and 8x8 (digits) inputs."""
+
+    def __init__(self, num_classes=10, in_channels=1, width=32, mean=None, std=None):
+        super().__init__()
+        self.normalize = _normalizer(in_channels, mean, std)
+        self.block1 = nn.Sequential(*_conv_bn(in_channels, width), *_conv_bn(width, width), nn.MaxPool2d(2))
+        self.block2 = nn.Sequential(*_conv_bn(width, 2 * width), *_conv_bn(2 * width, 2 * width),
+                                    nn.AdaptiveAvgPool2d(1))
+        self.linear = nn.Linear(2 * width, num_classes)
+
+    def features(self, x):
+        return self.block2(self.block1(self.normalize(x))).flatten(1)
+
+    def forward(self, x):
+        return self.linear(self.features(x))
+
+
+class SmallVGG(nn.Module):
+    """VGG-style: three stages of two 3x3 convs with max-pooling, global pooling, linear head."""
+
+    def __init__(self, num_classes=10, in_channels=3, width=32, mean=None, std=None):
+        super().__init__()
+        self.normalize = _normalizer(in_channels, mean, std)
+        w = width
+        self.block1 = nn.Sequential(*_conv_bn(in_channels, w), *_conv_bn(w, w), nn.MaxPool2d(2))
+        self.block2 = nn.Sequential(*_conv_bn(w, 2 * w), *_conv_bn(2 * w, 2 * w), nn.MaxPool2d(2))
+        self.block3 = nn.Sequential(*_conv_bn(2 * w, 4 * w), *_conv_bn(4 * w, 4 * w), nn.AdaptiveAvgPool2d(1))
+        self.linear = nn.Linear(4 * w, num_classes)
+
+    def features(self, x):
+        return self.block3(self.block2(self.block1(self.normalize(x)))).flatten(1)
+
+    def forward(self, x):
+        return self.linear(self.features(x))
+
+
+# ---------------------------------------------------------------- registry
+_MODELS: dict[str, Callable[..., nn.Module]] = {
+    "preact_resnet18": PreActResNet18,
+    "small_cnn": SmallCNN,
+    "small_vgg": SmallVGG,
+}
+
+
+def available() -> list[str]:
+    return sorted(_MODELS)
+
+
+def register(name: str, factory: Callable[..., nn.Module]) -> None:
+    _MODELS[name] = factory
+
+
+def create(name: str, num_classes: int, in_channels: int = 3, dataset: str | None = None, **kw) -> nn.Module:
+    """Build a registered model; `dataset` fills in its normalisation statistics when known."""
+    if name not in _MODELS:
+        raise PBEError(f"unknown model {name!r}; available: {', '.join(available())}")
+    if dataset in DATASET_STATS and "mean" not in kw and len(DATASET_STATS[dataset][0]) == in_channels:
+        kw["mean"], kw["std"] = DATASET_STATS[dataset]
+    try:
+        model = _MODELS[name](num_classes=num_classes, in_channels=in_channels, **kw)
+    except TypeError as err:
+        raise PBEError(f"bad arguments for model {name!r}: {err}") from err
+    model.pbe_spec = {"name": name, "num_classes": num_classes, "in_channels": in_channels,
+                      **{k: list(v) if isinstance(v, tuple) else v for k, v in kw.items()}}
+    return model
+
+
+def describe(model: nn.Module) -> str:
+    spec = getattr(model, "pbe_spec", None)
+    if not spec:
+        return type(model).__name__
+    args = ", ".join(f"{k}={v}" for k, v in spec.items()
+                     if k not in ("name", "num_classes", "in_channels", "mean", "std"))
+    return f"{spec['name']}({args})"
+
+
+# ---------------------------------------------------------------- activations
+def layer_names(model: nn.Module) -> list[str]:
+    """Names usable with `activations` (every named submodule)."""
+    return [n for n, _ in model.named_modules() if n]
+
+
+def last_conv_name(model: nn.Module) -> str:
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+    if not names:
+        raise PBEError("the model has no Conv2d layer")
+    return names[-1]
+
+
+@torch.no_grad()
+def activations(model: nn.Module, x: torch.Tensor, layers: list[str], batch_size: int = 256) -> dict[str, torch.Tensor]:
+    """Outputs of the named submodules for inputs `x` (eval mode; hooks removed afterwards)."""
+    modules = dict(model.named_modules())
+    missing = [n for n in layers if n not in modules]
+    if missing:
+        raise PBEError(f"unknown layer(s) {missing}; see pbe.models.layer_names(model)")
+    store: dict[str, list[torch.Tensor]] = {n: [] for n in layers}
+    hooks = [modules[n].register_forward_hook(lambda m, i, o, n=n: store[n].append(o.detach().cpu()))
+             for n in layers]
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    try:
+        for start in range(0, len(x), batch_size):
+            model(x[start:start + batch_size].to(device))
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    return {n: torch.cat(v) for n, v in store.items()}

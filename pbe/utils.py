@@ -1,0 +1,100 @@
+"""Small shared helpers: errors, devices, seeds, threads and atomic writes."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+
+class PBEError(ValueError):
+    """A user mistake (bad path, argument, file). The CLI prints it as one line."""
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """Map "auto" to CUDA when present, else CPU; reject a CUDA request without CUDA."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise PBEError(f"device {device!r} was asked for but CUDA is not available; use --device cpu or auto")
+    try:
+        return torch.device(device)
+    except RuntimeError as err:
+        raise PBEError(f"unknown device {device!r}; use auto, cpu or cuda[:N]") from err
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    """Seed Python, NumPy and torch; return a CPU generator for explicit draws."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def use_all_cpus() -> int:
+    """Let torch use every CPU this process may run on (cgroups/affinity aware)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        n = os.cpu_count() or 1
+    torch.set_num_threads(n)
+    return n
+
+
+def hardware_string() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    return f"{torch.get_num_threads()} CPU cores, torch {torch.__version__.split('+')[0]}"
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (np.integer, np.floating)):
+        return obj.item()
+    if isinstance(obj, (np.ndarray, torch.Tensor)):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"cannot write {type(obj).__name__} as JSON")
+
+
+def toolkit_version() -> str:
+    """Package version plus the git commit when run from a checkout."""
+    from pbe import __version__
+
+    head = Path(__file__).resolve().parent.parent / ".git" / "HEAD"
+    try:
+        ref = head.read_text().strip()
+        if ref.startswith("ref: "):
+            ref = (head.parent / ref[5:]).read_text().strip()
+        return f"{__version__}+g{ref[:10]}"
+    except OSError:
+        return __version__
