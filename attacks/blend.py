@@ -1,0 +1,45 @@
+"""Blend (Chen et al., 2017): x' = (1 - alpha) x + alpha K with a fixed key image K."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attacks.base import BackdoorAttack
+from pbe.utils import PBEError
+
+
+class Blend(BackdoorAttack):
+    """`key`: None for a seeded uniform-noise image, or a tensor (C, H, W)/(H, W) in [0, 1] of any size
+    (resized to the images). Separate `alpha_train` (poisoning) and `alpha_test` (evaluation);
+    both default to BackdoorBench's 0.2 (the PBE paper evaluates at 0.1).
+    """
+
+    name = "blend"
+
+    def __init__(self, target=0, all_to_all=False, seed=0, alpha_train=0.2, alpha_test=0.2, key=None):
+        super().__init__(target, all_to_all, seed)
+        for a in (alpha_train, alpha_test):
+            if not 0 < a <= 1:
+                raise PBEError(f"blend alpha must be in (0, 1], got {a}")
+        self.alpha_train, self.alpha_test = float(alpha_train), float(alpha_test)
+        self._user_key = None if key is None else torch.as_tensor(key, dtype=torch.float32)
+
+    def params(self):
+        return {**super().params(), "alpha_train": self.alpha_train, "alpha_test": self.alpha_test}
+
+    def _build(self, shape, generator):
+        c, h, w = shape
+        if self._user_key is None:
+            key = torch.rand(c, h, w, generator=generator)
+        else:
+            key = self._user_key
+            key = key[None] if key.dim() == 2 else key
+            if key.min() < 0 or key.max() > 1:
+                raise PBEError("the blend key image must have values in [0, 1]")
+            key = F.interpolate(key[None], size=(h, w), mode="bilinear", align_corners=False)[0]
+            key = key.mean(0, keepdim=True).expand(c, h, w) if key.shape[0] != c else key
+        self.register_buffer("key", key.contiguous())
+
+    def _trigger(self, x, train):
+        a = self.alpha_train if train else self.alpha_test
+        return (1 - a) * x + a * self.key

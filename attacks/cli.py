@@ -1,0 +1,71 @@
+"""``pbe attack``: train an infected model and save it with its attack state and poison indices."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+
+
+def _param(text: str):
+    key, sep, value = text.partition("=")
+    if not sep:
+        from pbe.utils import PBEError
+        raise PBEError(f"--param takes KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def cmd_attack(args) -> dict:
+    import attacks
+    from pbe import checkpoint, metrics
+    from pbe.cli import _load_both, build_model
+    from pbe.train import get_recipe
+    from pbe.utils import PBEError, hardware_string, write_json
+
+    if args.out is None:
+        raise PBEError("pbe attack needs --out DIR")
+    params = dict(_param(p) for p in args.param or [])
+    attack = attacks.create(args.attack, target=args.target, all_to_all=args.all_to_all, seed=args.seed, **params)
+    recipe = get_recipe(args.recipe, epochs=args.epochs)
+    train_set, test_set = _load_both(args)
+    model = build_model(recipe, train_set, args.dataset)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "train_log.jsonl"
+    log.unlink(missing_ok=True)
+    start = time.time()
+    poisoned, _ = attack.plant(model, train_set, test_set, rate=args.rate, recipe=recipe, seed=args.seed,
+                               device=args.device, log_path=log, progress=not args.no_progress)
+    wall = time.time() - start
+    result = {**metrics.evaluate(model, test_set, attack), "wall_s": round(wall, 1),
+              "hardware": hardware_string(), "command": " ".join(["pbe"] + sys.argv[1:])}
+    attack.save(args.out / "attack")
+    write_json(args.out / "poison.json", {
+        "rate": args.rate, "seed": args.seed, "poison_indices": poisoned.poison_indices.tolist(),
+        "extra_indices": None if poisoned.extra_indices is None else poisoned.extra_indices.tolist()})
+    meta = {"dataset": args.dataset, "classes": train_set.classes, "seed": args.seed, "recipe": args.recipe,
+            "recipe_fields": asdict(recipe), "attack": {"name": attack.name, **attack.params()},
+            "rate": args.rate, "metrics": result}
+    checkpoint.save(model, args.out / "model", meta)
+    write_json(args.out / "metrics.json", result)
+    print(json.dumps(result))
+    return result
+
+
+def register(sub, common) -> None:
+    import attacks
+    from pbe.train import RECIPES
+    p = sub.add_parser("attack", help="train a backdoored model (writes model, attack state, poison indices)")
+    common(p)
+    p.add_argument("--attack", required=True, choices=attacks.available())
+    p.add_argument("--recipe", default="tiny", choices=sorted(RECIPES))
+    p.add_argument("--epochs", type=int, help="override the recipe's epochs")
+    p.add_argument("--rate", type=float, default=0.1, help="poison rate (default 0.1)")
+    p.add_argument("--target", type=int, default=0, help="target label for all-to-one (default 0)")
+    p.add_argument("--all-to-all", action="store_true", help="y -> (y + 1) mod C instead of all-to-one")
+    p.add_argument("--param", action="append", metavar="KEY=VALUE",
+                   help="attack parameter, e.g. --param size=4 --param mode=poison_label (repeatable)")
+    p.add_argument("--download", action="store_true", help="download the dataset if missing (torchvision)")
+    p.set_defaults(func=cmd_attack)
