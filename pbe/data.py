@@ -340,9 +340,16 @@ def _cached_decode(files: list[Path], image_size: int | None) -> torch.Tensor:
 
 def decode_images(files: list[Path], image_size: int | None = None, chunk: int = 4096) -> torch.Tensor:
     """Decode image files to uint8 (N, C, H, W); JPEGs go through batched ``decode_jpeg``."""
-    import torchvision.io as tio
-    import torchvision.transforms.functional as TF
+    import warnings
 
+    import torchvision.transforms.functional as TF
+    with warnings.catch_warnings():  # torchvision 0.29 flags its image codecs as deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import torchvision.io as tio
+        return _decode(files, image_size, chunk, tio, TF)
+
+
+def _decode(files, image_size, chunk, tio, TF) -> torch.Tensor:
     out: list[torch.Tensor] = []
     for start in range(0, len(files), chunk):
         part = files[start:start + chunk]

@@ -1,0 +1,195 @@
+"""``pbe erase | detect | analyze | demo``: the defence from the command line."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from pbe.utils import PBEError
+
+
+def _pgd_args(p) -> None:
+    p.add_argument("--eps", type=float, help="PGD L-inf budget in [0, 1] pixel units (default 6/255)")
+    p.add_argument("--steps", type=int, help="PGD steps")
+
+
+def _pgd_config(args, base=None):
+    from dataclasses import replace
+    from pbe.adversarial import PGDConfig
+    cfg = base or PGDConfig()
+    if args.eps is not None:
+        cfg = replace(cfg, eps=args.eps, step=args.eps / 3 if cfg.step is not None else None)
+    if args.steps is not None:
+        cfg = replace(cfg, steps=args.steps)
+    return cfg
+
+
+def _model_and_test(args):
+    from pbe import checkpoint, data
+    model, meta = checkpoint.load(args.model, device="cpu")
+    if args.dataset == "digits" and meta.get("dataset") not in (None, "digits"):
+        args.dataset = meta["dataset"]  # the model's own dataset unless one is named
+    test = data.load(args.dataset, args.data_root, "test")
+    return model, meta, test
+
+
+def _poisoned_from(run_dir: Path, clean_train):
+    """Rebuild the exact poisoned training set of a `pbe attack` run and check its indices."""
+    import attacks
+    info_path = run_dir / "poison.json"
+    if not info_path.exists():
+        raise PBEError(f"{info_path} not found; --poison-from takes a `pbe attack --out` directory")
+    info = json.loads(info_path.read_text())
+    attack = attacks.load(run_dir / "attack")
+    poisoned = attack.poison(clean_train, info["rate"], info["seed"])
+    if poisoned.poison_indices.tolist() != info["poison_indices"]:
+        raise PBEError(f"re-poisoning {run_dir} gave other indices than poison.json; dataset or version differ")
+    return poisoned, attack
+
+
+def cmd_erase(args) -> dict:
+    from pbe import checkpoint, data
+    from pbe.defense import Evaluation, aft, erase, get_schedule
+    from pbe.plots import plot_histograms, plot_rounds
+    from pbe.utils import hardware_string, write_json
+
+    if args.out is None:
+        raise PBEError("pbe erase needs --out DIR")
+    model, meta, test = _model_and_test(args)
+    attack = None
+    if args.attack_state:
+        import attacks
+        attack = attacks.load(args.attack_state)
+    clean_train = data.load(args.dataset, args.data_root, "train")
+    ev = Evaluation(test, attack, None)
+    sched = get_schedule(args.schedule)
+    sched = get_schedule(sched, pgd=_pgd_config(args, sched.pgd), lr=args.lr)
+    progress = not args.no_progress
+    if args.setting == "no-clean":
+        if args.poison_from:
+            train_set, attack = _poisoned_from(Path(args.poison_from), clean_train)
+            ev = Evaluation(test, attack, train_set.poison_indices)
+        elif args.train_data:
+            train_set = data.load(args.train_data, args.data_root, "train")
+        else:
+            raise PBEError("--setting no-clean needs the (poisoned) training set: --poison-from RUN_DIR "
+                           "(a `pbe attack` output) or --train-data DATASET")
+        purified, report = erase(model, train_set, sched, seed=args.seed, device=args.device,
+                                 progress=progress, evaluation=ev)
+    else:
+        if not 0 < args.clean_fraction <= 1:
+            raise PBEError(f"--clean-fraction must be in (0, 1], got {args.clean_fraction}")
+        if args.poison_from and attack is None:
+            import attacks
+            attack = attacks.load(Path(args.poison_from) / "attack")
+            ev = Evaluation(test, attack, None)
+        gen = torch.Generator().manual_seed(args.seed)
+        idx = torch.randperm(len(clean_train), generator=gen)[:round(args.clean_fraction * len(clean_train))]
+        purified, report = aft(model, clean_train.subset(idx.sort().values), seed=args.seed, device=args.device,
+                               progress=progress, train_size=len(clean_train), evaluation=ev,
+                               pgd_config=sched.pgd if args.schedule == "paper" else None)
+        report["clean_indices"] = idx.sort().values.tolist()
+    report["hardware"] = hardware_string()
+    report["command"] = " ".join(["pbe"] + sys.argv[1:])
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(args.out / "report.json", report)
+    plot_rounds(report, args.out / "rounds.png")
+    plot_histograms(report["monitor_before"], report["monitor_after"], args.out / "adversarial_labels.png",
+                    test.classes)
+    summary = {k: report.get(k) for k in ("before", "after", "der", "epoch_equivalents", "wall_s")}
+    summary["monitor_before"] = {k: report["monitor_before"][k] for k in ("top_label", "anomaly_index", "suspected")}
+    summary["monitor_after"] = {k: report["monitor_after"][k] for k in ("top_label", "anomaly_index", "suspected")}
+    checkpoint.save(purified, args.out / "model", {**{k: v for k, v in meta.items() if k != "metrics"},
+                                                   "defense": report["defense"], "setting": report["setting"],
+                                                   "seed": args.seed, "metrics": summary})
+    write_json(args.out / "metrics.json", summary)
+    print(json.dumps(summary))
+    return report
+
+
+def cmd_detect(args) -> dict:
+    from pbe import data
+    from pbe.activations import detect
+    from pbe.adversarial import PGDConfig
+    model, meta, test = _model_and_test(args)
+    ds = test if args.split == "test" else data.load(args.dataset, args.data_root, "train")
+    mon = detect(model, ds, args.probe_size, _pgd_config(args, PGDConfig(eps=6 / 255, steps=5, step=2 / 255)),
+                 threshold=args.threshold, seed=args.seed).as_dict()
+    verdict = (f"backdoor suspected: adversarial examples point to label {mon['top_label']} "
+               f"({ds.classes[mon['top_label']]}), anomaly index {mon['anomaly_index']:.1f} > {mon['threshold']}"
+               if mon["suspected"] else f"no backdoor suspected (anomaly index {mon['anomaly_index']:.1f} "
+               f"<= {mon['threshold']})")
+    print(verdict)
+    print(json.dumps(mon))
+    if args.out:
+        from pbe.utils import write_json
+        write_json(args.out / "detect.json", mon)
+    return mon
+
+
+def cmd_analyze(args) -> dict:
+    import attacks
+    from pbe.activations import detect, neuron_overlap
+    from pbe.adversarial import PGDConfig, adversarial_examples
+    from pbe.activations import probe_indices
+    from pbe.models import last_conv_name
+    model, meta, test = _model_and_test(args)
+    attack = attacks.load(args.attack_state)
+    idx = probe_indices(test.labels, args.probe_size, args.seed)
+    idx = idx[test.labels[idx] != attack.target] if not attack.all_to_all else idx
+    x = test.images[idx].float() / 255
+    cfg = _pgd_config(args, PGDConfig(eps=6 / 255, steps=5, step=2 / 255))
+    x_adv = adversarial_examples(model, x, test.labels[idx], cfg)
+    layers = args.layers or [last_conv_name(model)]
+    out = {"layers": neuron_overlap(model, x, attack.apply(x), x_adv, layers, args.k),
+           "monitor": detect(model, test, args.probe_size, cfg, seed=args.seed).as_dict()}
+    print(json.dumps(out, indent=1))
+    if args.out:
+        from pbe.utils import write_json
+        write_json(args.out / "analysis.json", out)
+    return out
+
+
+def register(sub, common) -> None:
+    from pbe.defense import SCHEDULES
+    p = sub.add_parser("erase", help="purify a model: PBE without clean data, or AFT with a clean extra set")
+    common(p)
+    p.add_argument("--model", required=True, help="model to purify (checkpoint directory or file)")
+    p.add_argument("--setting", choices=["no-clean", "clean-extra"], default="no-clean")
+    p.add_argument("--clean-fraction", type=float, default=0.05, help="clean-extra: share of the clean training set")
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="fast")
+    p.add_argument("--lr", type=float, help="fine-tuning learning rate (default: the schedule's)")
+    p.add_argument("--poison-from", help="`pbe attack --out` directory: rebuild its poisoned training set and "
+                   "use its trigger and indices for evaluation only")
+    p.add_argument("--train-data", help="the (poisoned) training set as a dataset name, e.g. npz:/path")
+    p.add_argument("--attack-state", help="attack state, to measure ASR (evaluation only)")
+    _pgd_args(p)
+    p.set_defaults(func=cmd_erase)
+
+    p = sub.add_parser("detect", help="is a backdoor suspected? (adversarial-label concentration, no trigger)")
+    common(p)
+    p.add_argument("--model", required=True)
+    p.add_argument("--split", choices=["train", "test"], default="test")
+    p.add_argument("--probe-size", type=int, default=500)
+    p.add_argument("--threshold", type=float, default=3.0, help="anomaly-index threshold (MAD units)")
+    _pgd_args(p)
+    p.set_defaults(func=cmd_detect)
+
+    p = sub.add_parser("analyze", help="neurons excited by clean, triggered and adversarial inputs")
+    common(p)
+    p.add_argument("--model", required=True)
+    p.add_argument("--attack-state", required=True)
+    p.add_argument("--layers", nargs="*", help="layer names (default: the last conv layer)")
+    p.add_argument("--k", type=int, default=10, help="top-k neurons per layer")
+    p.add_argument("--probe-size", type=int, default=500)
+    _pgd_args(p)
+    p.set_defaults(func=cmd_analyze)
+
+    from pbe.demo import cmd_demo
+    p = sub.add_parser("demo", help="plant BadNets on built-in digits, detect it, erase it with PBE (~1-2 min)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, help="also save models and reports here")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_demo)

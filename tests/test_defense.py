@@ -1,0 +1,125 @@
+import pytest
+import torch
+
+from pbe import metrics
+from pbe.activations import detect, label_concentration, neuron_overlap
+from pbe.adversarial import PGDConfig, adversarial_examples, pgd, success_rate
+from pbe.defense import Evaluation, Schedule, aft, erase
+from pbe.demo import DIGITS_PGD, DIGITS_SCHEDULE
+
+
+def test_pgd_respects_budget_range_and_restores_mode(clean_model, digits):
+    x = digits[1].floats()[:64]
+    y = digits[1].labels[:64]
+    clean_model.train()
+    for norm, eps in (("linf", 0.1), ("l2", 0.5)):
+        adv = pgd(clean_model, x, y, PGDConfig(eps=eps, steps=5, norm=norm, random_start=True),
+                  torch.Generator().manual_seed(0))
+        delta = (adv - x).flatten(1)
+        size = delta.abs().max(1).values if norm == "linf" else delta.norm(dim=1)
+        assert (size <= eps + 1e-5).all() and adv.min() >= 0 and adv.max() <= 1
+    assert clean_model.training and all(p.requires_grad for p in clean_model.parameters())
+    clean_model.eval()
+
+
+def test_pgd_raises_error_rate(clean_model, digits):
+    test = digits[1]
+    x_adv = adversarial_examples(clean_model, test.images[:200], test.labels[:200], DIGITS_PGD)
+    clean_err = 1 - metrics.accuracy(metrics.predict(clean_model, test.images[:200]), test.labels[:200])
+    assert success_rate(clean_model, x_adv, test.labels[:200]) > clean_err + 0.2
+
+
+def test_native_and_foolbox_backends_agree(clean_model, digits):
+    test = digits[1]
+    cfg = PGDConfig(eps=0.08, steps=5, step=0.03)
+    rates = {}
+    for backend in ("native", "foolbox"):
+        from dataclasses import replace
+        adv = adversarial_examples(clean_model, test.images, test.labels, replace(cfg, backend=backend))
+        rates[backend] = success_rate(clean_model, adv, test.labels)
+    assert abs(rates["native"] - rates["foolbox"]) <= 0.01, rates
+
+
+def test_concentration_statistic():
+    labels = torch.arange(100) % 10
+    backdoor = torch.where(labels == 3, torch.tensor(5), torch.tensor(3))
+    mon = label_concentration(backdoor, labels, 10)
+    assert mon.suspected and mon.top_label == 3 and mon.top_share > 0.8
+    spread = (labels + 1 + torch.arange(100) // 10 % 9) % 10  # every source spreads over other classes
+    spread = torch.where(spread == labels, (labels + 1) % 10, spread)
+    mon = label_concentration(spread, labels, 10)
+    assert not mon.suspected and mon.entropy > 0.9
+
+
+def test_detect_flags_infected_not_clean(badnets_model, clean_model, digits):
+    model, attack, _ = badnets_model
+    infected = detect(model, digits[1], 300, DIGITS_PGD)
+    assert infected.suspected and infected.top_label == attack.target
+    assert not detect(clean_model, digits[1], 300, DIGITS_PGD).suspected
+
+
+def test_neuron_overlap_reports_the_observation(badnets_model, digits):
+    model, attack, _ = badnets_model
+    test = digits[1]
+    keep = test.labels != 0
+    x, y = test.floats()[keep][:150], test.labels[keep][:150]
+    out = neuron_overlap(model, x, attack.apply(x), pgd(model, x, y, DIGITS_PGD), ["block2.0", "block2.3"], k=8)
+    for layer in out.values():
+        assert set(layer["jaccard"]) == {"triggered_adversarial", "clean_adversarial", "clean_triggered"}
+        assert all(0 <= v <= 1 for v in layer["jaccard"].values())
+    assert out["block2.3"]["jaccard"]["triggered_adversarial"] >= out["block2.3"]["jaccard"]["clean_adversarial"]
+
+
+@pytest.fixture(scope="module")
+def erased(badnets_model, digits):
+    model, attack, poisoned = badnets_model
+    ev = Evaluation(digits[1], attack, poisoned.poison_indices)
+    sched = Schedule(**{**DIGITS_SCHEDULE.__dict__, "early_stop": False})
+    return erase(model, poisoned, sched, seed=0, progress=False, evaluation=ev)
+
+
+def test_pbe_erases_a_tiny_backdoor(erased):
+    purified, report = erased
+    assert report["before"]["asr"] > 0.9
+    assert report["after"]["asr"] < 0.2 and report["after"]["acc"] > report["before"]["acc"] - 0.05
+    assert report["der"] > 0.85
+
+
+def test_pbe_ranking_puts_poisoned_low(erased):
+    _, report = erased
+    assert report["rounds"][0]["detection"]["auc"] > 0.9
+
+
+def test_report_matches_the_run(erased, badnets_model):
+    purified, report = erased
+    _, _, poisoned = badnets_model
+    assert [r["subset_size"] for r in report["rounds"]] == [round(f * len(poisoned)) for f in DIGITS_SCHEDULE.fractions]
+    assert report["rounds"][-1]["metrics"] == report["after"]
+    assert report["after"] == metrics.evaluate(purified, *_test_and_attack(badnets_model, report))
+    ee = [r["epoch_equivalents"] for r in report["rounds"]]
+    assert ee == sorted(ee) and report["epoch_equivalents"] >= ee[-1]
+    selected = set(report["rounds"][1]["subset_indices"])
+    assert len(selected) == report["rounds"][1]["subset_size"]
+
+
+def _test_and_attack(badnets_model, report):
+    from pbe import data
+    return data.load("digits", split="test"), badnets_model[1]
+
+
+def test_early_stop_stops(badnets_model):
+    model, _, poisoned = badnets_model
+    sched = Schedule(**{**DIGITS_SCHEDULE.__dict__, "fractions": (0.1, 0.2, 0.3), "epochs": (8, 1, 1),
+                        "adv_batches": (None, 1, 1), "early_stop": True})
+    _, report = erase(model, poisoned, sched, seed=0, progress=False)
+    assert report["stopped_early"] and len(report["rounds"]) < 3
+    assert not report["monitor_after"]["suspected"]
+
+
+def test_aft_with_clean_extra_set(badnets_model, digits):
+    model, attack, _ = badnets_model
+    clean = digits[0].subset(torch.arange(0, len(digits[0]), 5))
+    purified, report = aft(model, clean, epochs=8, adv_epochs=4, pgd_config=DIGITS_PGD, lr=0.01, progress=False,
+                           evaluation=Evaluation(digits[1], attack), batch_size=64, crop_padding=1)
+    assert report["after"]["asr"] < 0.3 < report["before"]["asr"]
+    assert type(purified) is type(model)
