@@ -4,12 +4,14 @@ For a backdoored model, untargeted adversarial examples mostly land on the backd
 and excite the same neurons as triggered images (PBE's observation). ``detect`` turns the first
 fact into a test; ``neuron_overlap`` measures the second when triggered inputs are available.
 
-Detection statistic: for each source class the distribution of adversarial labels (other classes)
-is computed, and these are averaged so that every source class counts once. The anomaly index of
-the most frequent label is its distance above the median of the *other* labels' shares, in units of
-their median absolute deviation (MAD x 1.4826, a robust standard deviation). A label is flagged when
-that index exceeds ``threshold`` (default 3.0), i.e. the benign level is calibrated from the spread
-of the non-suspected labels of the same model and data — the rule Neural Cleanse uses with 2.0.
+Detection statistic (trigger-free, calibrated on the model and data at hand): a benign model's
+adversarial examples mostly land on each input's natural runner-up class, so the *expected* share of
+label k is its share among the clean runner-ups. With `a` the observed share of adversarial labels
+and `e` the expected one (both averaged over source classes so each class counts once), the
+attraction of label k is kappa = (a - e) / (1 - e), Cohen's chance-corrected agreement: 0 when the
+adversarial labels go where natural confusion sends them, 1 when every adversarial example that would
+have gone elsewhere lands on k. A backdoor is suspected when the most attracting label has
+kappa > `threshold` (default 0.5: it takes at least half of what natural confusion would not give it).
 """
 from __future__ import annotations
 
@@ -26,14 +28,15 @@ from pbe.utils import PBEError
 
 @dataclass
 class Monitor:
-    """Adversarial-label concentration of a model on a probe set."""
+    """Where untargeted adversarial examples of a probe set land."""
 
     histogram: list[int]  # adversarial predictions per label (successful attacks only)
-    source_weighted: list[float]  # per-label share, averaged over source classes
+    adversarial_share: list[float]  # per-label share, averaged over source classes
+    expected_share: list[float]  # same for the clean runner-up labels (natural confusion)
+    kappa: list[float]  # chance-corrected attraction per label
     top_label: int
-    top_share: float
-    entropy: float  # normalised to [0, 1]; 1 = uniform over labels
-    anomaly_index: float
+    top_kappa: float
+    entropy: float  # of the adversarial labels, normalised to [0, 1]; 1 = uniform
     threshold: float
     suspected: bool
     success_rate: float
@@ -43,30 +46,33 @@ class Monitor:
         return asdict(self)
 
 
-def label_concentration(adv_pred: torch.Tensor, labels: torch.Tensor, num_classes: int,
-                        threshold: float = 3.0) -> Monitor:
-    """Monitor from adversarial predictions and true labels (pure function, no model)."""
+def _source_weighted(pred: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor, k: int) -> torch.Tensor:
+    rows = [torch.bincount(pred[keep & (labels == c)], minlength=k).float() / (keep & (labels == c)).sum()
+            for c in range(k) if (keep & (labels == c)).any()]
+    return torch.stack(rows).mean(0) if rows else torch.full((k,), 1.0 / k)
+
+
+def label_concentration(adv_pred: torch.Tensor, labels: torch.Tensor, runner_up: torch.Tensor, num_classes: int,
+                        threshold: float = 0.5) -> Monitor:
+    """Monitor from adversarial predictions, true labels and clean runner-up labels (pure function)."""
     ok = adv_pred != labels
+    adv = _source_weighted(adv_pred, labels, ok, num_classes)
+    expected = _source_weighted(runner_up, labels, torch.ones_like(ok), num_classes)
+    kappa = (adv - expected) / (1 - expected).clamp_min(1e-6)
+    top = int(kappa.argmax())
     hist = torch.bincount(adv_pred[ok], minlength=num_classes).float()
-    per_source = []
-    for c in range(num_classes):
-        sel = ok & (labels == c)
-        if sel.any():
-            per_source.append(torch.bincount(adv_pred[sel], minlength=num_classes).float() / sel.sum())
-    if not per_source:
-        share = torch.full((num_classes,), 1.0 / num_classes)
-    else:
-        share = torch.stack(per_source).mean(0)
-    top = int(share.argmax())
-    others = torch.cat([share[:top], share[top + 1:]])
-    med = others.median()
-    mad = (others - med).abs().median() * 1.4826
-    floor = 1.0 / max(1, int(ok.sum()))  # a share cannot be resolved more finely than one sample
-    index = float((share[top] - med) / max(float(mad), floor))
     p = hist / hist.sum().clamp_min(1)
     ent = float(-(p[p > 0] * p[p > 0].log()).sum() / torch.log(torch.tensor(float(num_classes))))
-    return Monitor(hist.long().tolist(), [round(float(v), 5) for v in share], top, float(p[top]), ent, index,
-                   threshold, index > threshold, float(ok.float().mean()), int(len(labels)))
+    r = lambda v: [round(float(x), 5) for x in v]  # noqa: E731
+    return Monitor(hist.long().tolist(), r(adv), r(expected), r(kappa), top, float(kappa[top]), ent, threshold,
+                   bool(kappa[top] > threshold), float(ok.float().mean()), int(len(labels)))
+
+
+def runner_up_labels(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The most likely class other than the true one: where natural confusion points."""
+    masked = logits.clone()
+    masked[torch.arange(len(labels)), labels] = float("-inf")
+    return masked.argmax(1)
 
 
 def probe_indices(labels: torch.Tensor, size: int, seed: int = 0) -> torch.Tensor:
@@ -80,14 +86,16 @@ def probe_indices(labels: torch.Tensor, size: int, seed: int = 0) -> torch.Tenso
 
 
 def monitor(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, num_classes: int,
-            cfg: PGDConfig | None = None, threshold: float = 3.0) -> Monitor:
-    """Attack `images` with untargeted PGD and summarise where the adversarial labels go."""
-    x_adv = adversarial_examples(model, images, labels, cfg or PGDConfig(eps=8 / 255, steps=10))
-    return label_concentration(predict(model, x_adv), labels, num_classes, threshold)
+            cfg: PGDConfig | None = None, threshold: float = 0.5) -> Monitor:
+    """Attack `images` with untargeted PGD and measure how strongly one label attracts them."""
+    logits = predict(model, images, return_logits=True)
+    x_adv = adversarial_examples(model, images, labels, cfg or PGDConfig(eps=6 / 255, steps=5, step=2 / 255))
+    return label_concentration(predict(model, x_adv), labels, runner_up_labels(logits, labels), num_classes,
+                               threshold)
 
 
 def detect(model: nn.Module, dataset, probe_size: int = 500, cfg: PGDConfig | None = None,
-           threshold: float = 3.0, seed: int = 0) -> Monitor:
+           threshold: float = 0.5, seed: int = 0) -> Monitor:
     """Is a backdoor suspected, and which label does it point to? No trigger needed.
 
     `dataset` is any labelled data the defender has (test or training set); a class-balanced probe

@@ -22,8 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from pbe.activations import Monitor, label_concentration, probe_indices
-from pbe.adversarial import PGDConfig, adversarial_examples, pgd
+from pbe.activations import Monitor, monitor, probe_indices
+from pbe.adversarial import PGDConfig, pgd
 from pbe.data import ImageDataset, augment
 from pbe.metrics import evaluate, predict
 from pbe.train import batches
@@ -125,11 +125,9 @@ def finetune(model: nn.Module, data: ImageDataset, epochs: int, adv_batches: int
 
 
 def _monitor(model, data: ImageDataset, probe: torch.Tensor, s: Schedule, cost: Cost) -> Monitor:
-    x, y = data.images[probe], data.labels[probe]
-    x_adv = adversarial_examples(model, x, y, s.monitor_pgd)
     cost.forward_backward += len(probe) * s.monitor_pgd.steps
-    cost.forward += len(probe)
-    return label_concentration(predict(model, x_adv), y, data.num_classes)
+    cost.forward += 2 * len(probe)
+    return monitor(model, data.images[probe], data.labels[probe], data.num_classes, s.monitor_pgd)
 
 
 def _measure(model, ev: Evaluation | None) -> dict:

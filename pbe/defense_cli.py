@@ -99,8 +99,8 @@ def cmd_erase(args) -> dict:
     plot_histograms(report["monitor_before"], report["monitor_after"], args.out / "adversarial_labels.png",
                     test.classes)
     summary = {k: report.get(k) for k in ("before", "after", "der", "epoch_equivalents", "wall_s")}
-    summary["monitor_before"] = {k: report["monitor_before"][k] for k in ("top_label", "anomaly_index", "suspected")}
-    summary["monitor_after"] = {k: report["monitor_after"][k] for k in ("top_label", "anomaly_index", "suspected")}
+    summary["monitor_before"] = {k: report["monitor_before"][k] for k in ("top_label", "top_kappa", "suspected")}
+    summary["monitor_after"] = {k: report["monitor_after"][k] for k in ("top_label", "top_kappa", "suspected")}
     checkpoint.save(purified, args.out / "model", {**{k: v for k, v in meta.items() if k != "metrics"},
                                                    "defense": report["defense"], "setting": report["setting"],
                                                    "seed": args.seed, "metrics": summary})
@@ -118,8 +118,8 @@ def cmd_detect(args) -> dict:
     mon = detect(model, ds, args.probe_size, _pgd_config(args, PGDConfig(eps=6 / 255, steps=5, step=2 / 255)),
                  threshold=args.threshold, seed=args.seed).as_dict()
     verdict = (f"backdoor suspected: adversarial examples point to label {mon['top_label']} "
-               f"({ds.classes[mon['top_label']]}), anomaly index {mon['anomaly_index']:.1f} > {mon['threshold']}"
-               if mon["suspected"] else f"no backdoor suspected (anomaly index {mon['anomaly_index']:.1f} "
+               f"({ds.classes[mon['top_label']]}), kappa {mon['top_kappa']:.2f} > {mon['threshold']}"
+               if mon["suspected"] else f"no backdoor suspected (kappa {mon['top_kappa']:.2f} "
                f"<= {mon['threshold']})")
     print(verdict)
     print(json.dumps(mon))
@@ -173,7 +173,7 @@ def register(sub, common) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--split", choices=["train", "test"], default="test")
     p.add_argument("--probe-size", type=int, default=500)
-    p.add_argument("--threshold", type=float, default=3.0, help="anomaly-index threshold (MAD units)")
+    p.add_argument("--threshold", type=float, default=0.5, help="kappa threshold: chance-corrected attraction of the top label")
     _pgd_args(p)
     p.set_defaults(func=cmd_detect)
 
@@ -188,7 +188,7 @@ def register(sub, common) -> None:
     p.set_defaults(func=cmd_analyze)
 
     from pbe.demo import cmd_demo
-    p = sub.add_parser("demo", help="plant BadNets on built-in digits, detect it, erase it with PBE (~1-2 min)")
+    p = sub.add_parser("demo", help="plant a backdoor on built-in digits, detect it, erase it with PBE (~1 min)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="also save models and reports here")
     p.add_argument("--no-progress", action="store_true")

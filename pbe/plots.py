@@ -14,7 +14,7 @@ def _plt():
 
 
 def plot_rounds(report: dict, path: str | Path) -> None:
-    """ACC / ASR (when measured) and the monitor's anomaly index per round."""
+    """ACC / ASR (when measured) and the monitor's attraction (kappa) per round."""
     plt = _plt()
     rounds = [0] + [r["round"] for r in report["rounds"]]
     mons = [report["monitor_before"]] + [r["monitor"] for r in report["rounds"]]
@@ -27,7 +27,7 @@ def plot_rounds(report: dict, path: str | Path) -> None:
     ax[0].set(xlabel="round", ylabel="%", title="metrics (evaluation only)")
     if ax[0].lines:
         ax[0].legend()
-    ax[1].plot(rounds, [m["anomaly_index"] for m in mons], marker="o", label="anomaly index")
+    ax[1].plot(rounds, [m["top_kappa"] for m in mons], marker="o", label="kappa of the top label")
     ax[1].axhline(mons[0]["threshold"], color="grey", ls="--", label="threshold")
     ax[1].set(xlabel="round", title="adversarial-label monitor")
     ax[1].legend()

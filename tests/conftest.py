@@ -33,6 +33,17 @@ def badnets_model(digits):
 
 
 @pytest.fixture(scope="session")
+def blend_model(digits):
+    """A tiny Blend-infected digits model (noise key, alpha 0.2, target 0, 10%)."""
+    import attacks
+    from pbe import models
+    attack = attacks.create("blend", target=0, seed=0)
+    model = models.create("small_cnn", 10, 1, dataset="digits", width=16)
+    poisoned, _ = attack.plant(model, digits[0], None, rate=0.1, recipe="tiny", seed=0, epochs=12, progress=False)
+    return model, attack, poisoned
+
+
+@pytest.fixture(scope="session")
 def clean_model(digits):
     from pbe import models
     from pbe.train import train
