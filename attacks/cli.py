@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import json
-import sys
-import time
-from dataclasses import asdict
 
 
 def _param(text: str):
@@ -20,37 +17,25 @@ def _param(text: str):
 
 def cmd_attack(args) -> dict:
     import attacks
-    from pbe import checkpoint, metrics
-    from pbe.cli import _load_both, build_model
+    from pbe.cli import train_and_save
     from pbe.train import get_recipe
-    from pbe.utils import PBEError, hardware_string, write_json
+    from pbe.utils import write_json
 
-    if args.out is None:
-        raise PBEError("pbe attack needs --out DIR")
     params = dict(_param(p) for p in args.param or [])
     attack = attacks.create(args.attack, target=args.target, all_to_all=args.all_to_all, seed=args.seed, **params)
     recipe = get_recipe(args.recipe, epochs=args.epochs)
-    train_set, test_set = _load_both(args)
-    model = build_model(recipe, train_set, args.dataset)
-    args.out.mkdir(parents=True, exist_ok=True)
-    log = args.out / "train_log.jsonl"
-    log.unlink(missing_ok=True)
-    start = time.time()
-    poisoned, _ = attack.plant(model, train_set, test_set, rate=args.rate, recipe=recipe, seed=args.seed,
-                               device=args.device, log_path=log, progress=not args.no_progress)
-    wall = time.time() - start
-    result = {**metrics.evaluate(model, test_set, attack), "wall_s": round(wall, 1),
-              "hardware": hardware_string(), "command": " ".join(["pbe"] + sys.argv[1:])}
+    planted = {}
+
+    def fit(model, train_set, test_set, log):
+        planted["set"], _ = attack.plant(model, train_set, test_set, rate=args.rate, recipe=recipe, seed=args.seed,
+                                         device=args.device, log_path=log, progress=not args.no_progress)
+    result = train_and_save(args, recipe, fit, attack, {"attack": {"name": attack.name, **attack.params()},
+                                                       "rate": args.rate})
+    poisoned = planted["set"]
     attack.save(args.out / "attack")
     write_json(args.out / "poison.json", {
         "rate": args.rate, "seed": args.seed, "poison_indices": poisoned.poison_indices.tolist(),
         "extra_indices": None if poisoned.extra_indices is None else poisoned.extra_indices.tolist()})
-    meta = {"dataset": args.dataset, "classes": train_set.classes, "seed": args.seed, "recipe": args.recipe,
-            "recipe_fields": asdict(recipe), "attack": {"name": attack.name, **attack.params()},
-            "rate": args.rate, "metrics": result}
-    checkpoint.save(model, args.out / "model", meta)
-    write_json(args.out / "metrics.json", result)
-    print(json.dumps(result))
     return result
 
 

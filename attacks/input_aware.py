@@ -72,7 +72,8 @@ class InputAware(BackdoorAttack):
                  lr_m=0.01, lambda_div=1.0, lambda_norm=100.0, mask_density=0.032, channel_init=None):
         super().__init__(target, all_to_all, seed)
         self.cross_ratio, self.mask_epochs = float(cross_ratio), float(mask_epochs)
-        self.lr_g, self.lr_m, self.lambda_div, self.lambda_norm = float(lr_g), float(lr_m), float(lambda_div), float(lambda_norm)
+        self.lr_g, self.lr_m = float(lr_g), float(lr_m)
+        self.lambda_div, self.lambda_norm = float(lambda_div), float(lambda_norm)
         self.mask_density = float(mask_density)
         self.channel_init = channel_init
 
@@ -118,7 +119,8 @@ class InputAware(BackdoorAttack):
             x1 = train_set.images[idx[0]].to(device).float() / 255
             x2 = train_set.images[idx[1]].to(device).float() / 255
             m1, m2 = _threshold(self.mask_net(x1)), _threshold(self.mask_net(x2))
-            loss = self.lambda_norm * F.relu(m1 - self.mask_density).mean() + self.lambda_div * _diversity(x1, x2, m1, m2)
+            sparsity = F.relu(m1 - self.mask_density).mean()
+            loss = self.lambda_norm * sparsity + self.lambda_div * _diversity(x1, x2, m1, m2)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

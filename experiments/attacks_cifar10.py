@@ -10,6 +10,7 @@ import argparse
 import json
 
 from common import HERE, RUNS, run_cell, trained_row
+
 from pbe.results import ResultsTable
 
 # (attack, all_to_all, extra CLI parameters)
@@ -49,7 +50,7 @@ def main() -> None:
                "--recipe", args.recipe, "--rate", "0.1", "--seed", str(args.seed), "--out", str(out),
                "--no-progress"] + (["--all-to-all"] if a2a else ["--target", "0"]) + extra
         m = run_cell(cmd, out)
-        row = trained_row(cell, m)
+        row = trained_row(cell, m, out)
         ref = clean_acc.get(args.recipe)
         row["clean_model_acc"] = ref
         row["acc_drop_vs_clean"] = None if ref is None else ref - m["acc"]

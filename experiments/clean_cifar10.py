@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from common import HERE, RUNS, run_cell, trained_row
+
 from pbe.results import ResultsTable
 
 
@@ -29,7 +30,7 @@ def main() -> None:
         out = RUNS / "clean_cifar10" / f"{recipe}_seed{args.seed}"
         m = run_cell(["pbe", "train", "--dataset", "cifar10", "--data-root", args.data_root, "--recipe", recipe,
                       "--seed", str(args.seed), "--out", str(out), "--no-progress"], out)
-        table.add(trained_row(cell, m))
+        table.add(trained_row(cell, m, out))
         print(f"{recipe}: acc={m['acc']:.4f} wall={m['wall_s']:.0f}s", flush=True)
 
 

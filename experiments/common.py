@@ -14,20 +14,18 @@ RUNS = HERE.parent / "runs"
 
 
 def run_cell(cmd: list[str], out: Path) -> dict:
-    """Run a ``pbe ...`` command that writes ``out/metrics.json``; return those metrics + the log."""
+    """Run a ``pbe ...`` command that writes ``out/metrics.json``; return those metrics + the command."""
     print("$", shlex.join(cmd), flush=True)
     subprocess.run(cmd, check=True)
-    m = json.loads((out / "metrics.json").read_text())
+    return {**json.loads((out / "metrics.json").read_text()), "command": shlex.join(cmd)}
+
+
+def trained_row(cell: dict, m: dict, out: Path) -> dict:
+    """A RESULTS.md row for a trained (clean or infected) model: no defence, no 'before'."""
     log = out / "train_log.jsonl"
-    m["train_log"] = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    m["epochs"] = read_meta(out / "model").get("recipe_fields", {}).get("epochs")
-    m["command"] = shlex.join(cmd)
-    return m
-
-
-def trained_row(cell: dict, m: dict) -> dict:
-    """A RESULTS.md row for a trained (clean or infected) model: no defence, before = after."""
+    epochs = read_meta(out / "model").get("recipe_fields", {}).get("epochs")
     return {**cell, "acc": m["acc"], "asr": m["asr"], "ra": m["ra"], "acc_before": None, "asr_before": None,
             "ra_before": None, "der": None, "detection": None, "wall_s": m["wall_s"],
-            "epoch_equivalents": float(m["epochs"]) if m.get("epochs") else None, "command": m["command"],
-            "hardware": m["hardware"], "toolkit_version": toolkit_version(), "train_log": m["train_log"]}
+            "epoch_equivalents": float(epochs) if epochs else None, "command": m["command"],
+            "hardware": m["hardware"], "toolkit_version": toolkit_version(),
+            "train_log": [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []}

@@ -1,7 +1,9 @@
 """pbe: Progressive Backdoor Erasing and friends, a CPU-friendly backdoor-defence toolkit."""
 __version__ = "0.1.0"
 
+from pbe.activations import detect  # noqa: E402
 from pbe.checkpoint import load, save  # noqa: E402
+from pbe.defense import aft, erase  # noqa: E402
 from pbe.train import train  # noqa: E402
 
-__all__ = ["load", "save", "train", "__version__"]
+__all__ = ["aft", "detect", "erase", "load", "save", "train", "__version__"]

@@ -33,32 +33,42 @@ def build_model(recipe, train_set, dataset_name: str):
                          dataset=dataset_name, width=recipe.width)
 
 
-def cmd_train(args) -> dict:
-    from pbe import checkpoint, metrics
-    from pbe.train import get_recipe, train
-    from pbe.utils import hardware_string, write_json
+def train_and_save(args, recipe, fit, attack=None, extra_meta: dict | None = None) -> dict:
+    """Shared by ``pbe train`` and ``pbe attack``: load data, build the model, ``fit(model, train_set,
+    test_set, log_path)``, evaluate (with the attack, if any), and save model, sidecar and metrics."""
     from dataclasses import asdict
 
+    from pbe import checkpoint, metrics
+    from pbe.utils import hardware_string, write_json
+
     if args.out is None:
-        raise PBEError("pbe train needs --out DIR for the model and its metrics")
-    recipe = get_recipe(args.recipe, epochs=args.epochs, model=args.model, width=args.width)
+        raise PBEError(f"pbe {args.command} needs --out DIR for the model and its metrics")
     train_set, test_set = _load_both(args)
     model = build_model(recipe, train_set, args.dataset)
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "train_log.jsonl"
     log.unlink(missing_ok=True)
     start = time.time()
-    train(model, train_set, test_set, recipe, seed=args.seed, device=args.device, log_path=log,
-          progress=not args.no_progress)
-    wall = time.time() - start
-    result = {**metrics.evaluate(model, test_set), "wall_s": round(wall, 1), "hardware": hardware_string(),
-              "command": " ".join(["pbe"] + sys.argv[1:])}
-    meta = {"dataset": args.dataset, "classes": train_set.classes, "seed": args.seed,
-            "recipe": args.recipe, "recipe_fields": asdict(recipe), "metrics": result}
+    fit(model, train_set, test_set, log)
+    result = {**metrics.evaluate(model, test_set, attack), "wall_s": round(time.time() - start, 1),
+              "hardware": hardware_string(), "command": " ".join(["pbe"] + sys.argv[1:])}
+    meta = {"dataset": args.dataset, "classes": train_set.classes, "seed": args.seed, "recipe": args.recipe,
+            "recipe_fields": asdict(recipe), **(extra_meta or {}), "metrics": result}
     checkpoint.save(model, args.out / "model", meta)
     write_json(args.out / "metrics.json", result)
     print(json.dumps(result))
     return result
+
+
+def cmd_train(args) -> dict:
+    from pbe.train import get_recipe, train
+
+    recipe = get_recipe(args.recipe, epochs=args.epochs, model=args.model, width=args.width)
+
+    def fit(model, train_set, test_set, log):
+        train(model, train_set, test_set, recipe, seed=args.seed, device=args.device, log_path=log,
+              progress=not args.no_progress)
+    return train_and_save(args, recipe, fit)
 
 
 def cmd_evaluate(args) -> dict:

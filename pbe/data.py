@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import io
-import json
 import os
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -358,7 +356,7 @@ def _decode(files, image_size, chunk, tio, TF) -> torch.Tensor:
             imgs = tio.decode_jpeg(datas, mode=tio.ImageReadMode.UNCHANGED)
         else:
             imgs = [_decode_one(f) for f in part]
-        for f, im in zip(part, imgs):
+        for im in imgs:
             if image_size is not None and tuple(im.shape[1:]) != (image_size, image_size):
                 im = TF.resize(im, [image_size, image_size], antialias=True)
             out.append(im)

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

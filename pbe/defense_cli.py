@@ -17,6 +17,7 @@ def _pgd_args(p) -> None:
 
 def _pgd_config(args, base=None):
     from dataclasses import replace
+
     from pbe.adversarial import PGDConfig
     cfg = base or PGDConfig()
     if args.eps is not None:
@@ -51,7 +52,7 @@ def _poisoned_from(run_dir: Path, clean_train):
 
 def cmd_erase(args) -> dict:
     from pbe import checkpoint, data
-    from pbe.defense import Evaluation, aft, erase, get_schedule
+    from pbe.defense import SCHEDULES, Evaluation, aft, erase, get_schedule
     from pbe.plots import plot_histograms, plot_rounds
     from pbe.utils import hardware_string, write_json
 
@@ -89,7 +90,7 @@ def cmd_erase(args) -> dict:
         idx = torch.randperm(len(clean_train), generator=gen)[:round(args.clean_fraction * len(clean_train))]
         purified, report = aft(model, clean_train.subset(idx.sort().values), seed=args.seed, device=args.device,
                                progress=progress, train_size=len(clean_train), evaluation=ev,
-                               pgd_config=sched.pgd if args.schedule == "paper" else None)
+                               pgd_config=_pgd_config(args, SCHEDULES["paper"].pgd))
         report["clean_indices"] = idx.sort().values.tolist()
     report["hardware"] = hardware_string()
     report["command"] = " ".join(["pbe"] + sys.argv[1:])
@@ -131,9 +132,8 @@ def cmd_detect(args) -> dict:
 
 def cmd_analyze(args) -> dict:
     import attacks
-    from pbe.activations import detect, neuron_overlap
+    from pbe.activations import detect, neuron_overlap, probe_indices
     from pbe.adversarial import PGDConfig, adversarial_examples
-    from pbe.activations import probe_indices
     from pbe.models import last_conv_name
     model, meta, test = _model_and_test(args)
     attack = attacks.load(args.attack_state)
@@ -173,7 +173,8 @@ def register(sub, common) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--split", choices=["train", "test"], default="test")
     p.add_argument("--probe-size", type=int, default=500)
-    p.add_argument("--threshold", type=float, default=0.5, help="kappa threshold: chance-corrected attraction of the top label")
+    p.add_argument("--threshold", type=float, default=0.5, 
+                   help="kappa threshold: chance-corrected attraction of the top label")
     _pgd_args(p)
     p.set_defaults(func=cmd_detect)
 

@@ -67,8 +67,8 @@ def format_table(result: dict) -> str:
 
 
 def cmd_demo(args) -> dict:
-    print("Blend backdoor (noise key, alpha 0.2, target 0, 10% poison) on scikit-learn digits, then PBE without clean data...",
-          flush=True)
+    print("Blend backdoor (noise key, alpha 0.2, target 0, 10% poison) on scikit-learn digits, "
+          "then PBE without clean data...", flush=True)
     result = run_demo(args.seed, progress=not args.no_progress, out=args.out)
     print(format_table(result))
     if args.out is None:

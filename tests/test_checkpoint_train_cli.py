@@ -56,7 +56,7 @@ def test_training_is_seeded_and_learns(digits, tmp_path):
     a = models.create("small_cnn", 10, 1, dataset="digits", width=8)
     b = copy.deepcopy(a)
     ha = train(a, train_set, test_set, "tiny", seed=1, epochs=4, progress=False, log_path=tmp_path / "log.jsonl")
-    hb = train(b, train_set, test_set, "tiny", seed=1, epochs=4, progress=False)
+    train(b, train_set, test_set, "tiny", seed=1, epochs=4, progress=False)
     assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
     assert ha[-1]["test_acc"] > 0.85
     lines = (tmp_path / "log.jsonl").read_text().splitlines()

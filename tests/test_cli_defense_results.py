@@ -1,0 +1,73 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pbe.results import REQUIRED, ResultsTable
+from pbe.utils import PBEError
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "pbe.cli", *args], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def attack_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("blend_run")
+    r = run_cli("attack", "--attack", "blend", "--epochs", "12", "--out", str(out), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_cli_detect_and_erase_no_clean(attack_run, tmp_path):
+    r = run_cli("detect", "--model", str(attack_run), "--eps", "0.1", "--probe-size", "300")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("backdoor suspected: adversarial examples point to label 0")
+    r = run_cli("erase", "--model", str(attack_run), "--setting", "no-clean", "--poison-from", str(attack_run),
+                "--eps", "0.1", "--out", str(tmp_path), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"model.safetensors", "model.json", "report.json", "rounds.png", "adversarial_labels.png"} <= names
+    summary = json.loads((tmp_path / "metrics.json").read_text())
+    assert summary["before"]["asr"] > 0.9 and summary["after"]["asr"] < summary["before"]["asr"]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["rounds"][0]["detection"]["auc"] is not None and "subset_indices" in report["rounds"][0]
+
+
+def test_cli_erase_clean_extra_and_user_errors(attack_run, tmp_path):
+    r = run_cli("erase", "--model", str(attack_run), "--setting", "clean-extra", "--clean-fraction", "0.2",
+                "--poison-from", str(attack_run), "--eps", "0.1", "--out", str(tmp_path), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["defense"] == "aft" and len(report["clean_indices"]) == round(0.2 * 1437)
+    r = run_cli("erase", "--model", str(attack_run), "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "--poison-from" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("erase", "--model", str(attack_run), "--setting", "clean-extra", "--clean-fraction", "2",
+                "--out", str(tmp_path / "y"))
+    assert r.returncode == 2 and "--clean-fraction" in r.stderr
+
+
+def _row(**kw):
+    row = {k: None for k in REQUIRED}
+    row.update(dataset="digits", model="m", recipe="tiny", attack="badnets", rate=0.1, target=0, all_to_all=False,
+               defense="none", setting=None, seed=0, acc=0.9, asr=1.0, ra=0.0, wall_s=1.0, command="pbe x",
+               hardware="cpu", toolkit_version="0")
+    row.update(kw)
+    return row
+
+
+def test_results_table_finds_cells_replaces_rows_and_renders(tmp_path):
+    t = ResultsTable(tmp_path / "t", "T", "python make.py")
+    t.add(_row())
+    t.add(_row(seed=1))
+    t.add(_row(acc=0.5))  # same cell as the first: replaced
+    again = ResultsTable(tmp_path / "t", "T", "python make.py")
+    assert len(again.rows) == 2 and again.find(**{k: _row()[k] for k in ("dataset", "seed", "attack")}) is None
+    cell = {k: _row()[k] for k in ("dataset", "model", "recipe", "attack", "rate", "target", "all_to_all",
+                                   "defense", "setting", "seed")}
+    assert again.find(**cell)["acc"] == 0.5
+    md = (tmp_path / "t.md").read_text()
+    assert "python make.py" in md and md.count("| badnets |") == 2
+    with pytest.raises(PBEError, match="lacks keys"):
+        t.add({"dataset": "x"})
