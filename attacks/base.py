@@ -89,22 +89,24 @@ class BackdoorAttack(nn.Module):
         return target_labels(labels, self.target, self.all_to_all, num_classes)
 
     # ---- poisoning
-    def candidates(self, labels: torch.Tensor) -> torch.Tensor:
-        """Indices that may be poisoned: target-class ones for clean-label, else non-target (all-to-one)."""
+    def candidates(self, labels: torch.Tensor, include_target: bool = False) -> torch.Tensor:
+        """Indices that may be poisoned: target-class ones for clean-label; for all-to-one the
+        non-target ones (a triggered target-class image teaches nothing) unless `include_target`."""
         if self.clean_label:
             return torch.nonzero(labels == self.target).flatten()
-        if self.all_to_all:
+        if self.all_to_all or include_target:
             return torch.arange(len(labels))
         return torch.nonzero(labels != self.target).flatten()
 
-    def poison(self, dataset: ImageDataset, rate: float, seed: int | None = None) -> PoisonedDataset:
+    def poison(self, dataset: ImageDataset, rate: float, seed: int | None = None,
+               include_target: bool = False) -> PoisonedDataset:
         """Trigger and relabel ``round(rate * N)`` samples drawn (seeded) from ``candidates``."""
         if not 0 <= rate <= 1:
             raise PBEError(f"poison rate must be in [0, 1], got {rate}")
         if self.target >= dataset.num_classes:
             raise PBEError(f"target {self.target} is not a class of {dataset.name} ({dataset.num_classes} classes)")
         n_poison = round(rate * len(dataset))
-        pool = self.candidates(dataset.labels)
+        pool = self.candidates(dataset.labels, include_target)
         if n_poison > len(pool):
             raise PBEError(f"rate {rate} asks for {n_poison} poisoned samples but only {len(pool)} are eligible "
                            f"({'target-class' if self.clean_label else 'non-target'} samples); lower --rate")

@@ -10,7 +10,7 @@ import argparse
 import json
 
 from attacks_cifar10 import CELLS
-from common import HERE, RUNS, run_cell
+from common import HERE, ROOT, RUNS, run_cell
 
 from pbe.results import ResultsTable
 from pbe.utils import toolkit_version
@@ -32,7 +32,7 @@ def main() -> None:
         if args.only and attack not in args.only:
             continue
         src = RUNS / "attacks_cifar10" / f"{attack}{'_a2a' if a2a else ''}_{args.recipe}_seed{args.seed}"
-        if not (src / "model.safetensors").exists():
+        if not (ROOT / src / "model.safetensors").exists():
             print(f"skip {src.name}: infected model missing (run experiments/attacks_cifar10.py first)")
             continue
         for defense, setting in DEFENSES:
@@ -48,7 +48,7 @@ def main() -> None:
                    "--setting", setting, "--poison-from", str(src), "--seed", str(args.seed), "--out", str(out),
                    "--no-progress"] + (["--schedule", schedule] if defense == "pbe" else ["--clean-fraction", "0.05"])
             m = run_cell(cmd, out)
-            report = json.loads((out / "report.json").read_text())
+            report = json.loads((ROOT / out / "report.json").read_text())
             b, a = report["before"], report["after"]
             table.add({**cell, "acc": a["acc"], "asr": a["asr"], "ra": a["ra"], "acc_before": b["acc"],
                        "asr_before": b["asr"], "ra_before": b["ra"], "der": report.get("der"),

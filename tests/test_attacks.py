@@ -93,6 +93,7 @@ def test_poison_indices_exact_repeatable_and_from_the_right_pool():
     assert (p.labels[p.poison_indices] == 0).all() and torch.equal(p.true_labels, ds.labels)
     assert torch.equal(p.poison_indices, a.poison(ds, 0.25, seed=3).poison_indices)
     assert not torch.equal(p.poison_indices, a.poison(ds, 0.25, seed=4).poison_indices)
+    assert (ds.labels[a.poison(ds, 0.9, seed=0, include_target=True).poison_indices] == 0).any()
     untouched = ~p.poison_mask
     assert torch.equal(p.images[untouched], ds.images[untouched])
     sig = attacks.create("sig", target=2).poison(ds, 0.25, seed=0)
