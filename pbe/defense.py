@@ -44,7 +44,7 @@ class Schedule:
     weight_decay: float = 5e-4
     batch_size: int = 128
     crop_padding: int = 4
-    early_stop: bool = True  # stop once the adversarial-label monitor looks benign
+    early_stop: bool = True  # stop once a backdoor the monitor flagged before the defence is gone
     probe_size: int = 500  # images attacked for the monitor
     monitor_pgd: PGDConfig = PGDConfig(eps=6 / 255, steps=5, step=2 / 255)
 
@@ -181,7 +181,8 @@ def erase(model: nn.Module, train_set: ImageDataset, schedule: str | Schedule = 
             changed = z.argmax(1) != z0.argmax(1)
             row["detection"] = ranking_quality(scores, changed, evaluation.poison_indices)
         report["rounds"].append(row)
-        if s.early_stop and not mon.suspected:
+        # stop early only on evidence: the monitor flagged a backdoor before and no longer does
+        if s.early_stop and report["monitor_before"]["suspected"] and not mon.suspected:
             report["stopped_early"] = t + 1 < len(s.fractions)
             break
         if t + 1 < len(s.fractions):

@@ -38,12 +38,13 @@ def plot_rounds(report: dict, path: str | Path) -> None:
 def plot_histograms(before: dict, after: dict, path: str | Path, classes: list[str] | None = None) -> None:
     """Adversarial-label shares before and after the defence."""
     plt = _plt()
-    k = len(before["source_weighted"])
+    k = len(before["adversarial_share"])
     labels = classes or [str(i) for i in range(k)]
     fig, ax = plt.subplots(figsize=(max(5, 0.5 * k), 3.2))
     xs = list(range(k))
-    ax.bar([x - 0.2 for x in xs], before["source_weighted"], width=0.4, label="before")
-    ax.bar([x + 0.2 for x in xs], after["source_weighted"], width=0.4, label="after")
+    ax.bar([x - 0.2 for x in xs], before["adversarial_share"], width=0.4, label="before")
+    ax.bar([x + 0.2 for x in xs], after["adversarial_share"], width=0.4, label="after")
+    ax.plot(xs, before["expected_share"], "k_", markersize=14, label="natural confusion (before)")
     ax.set_xticks(xs, labels, rotation=45 if k > 10 else 0)
     ax.set(ylabel="share of adversarial labels", title="where untargeted adversarial examples land")
     ax.legend()

@@ -116,8 +116,17 @@ def test_early_stop_stops(blend_model):
     sched = Schedule(**{**DIGITS_SCHEDULE.__dict__, "fractions": (0.1, 0.2, 0.3), "epochs": (8, 2, 2),
                         "adv_batches": (None, 1, 1), "early_stop": True})
     _, report = erase(model, poisoned, sched, seed=0, progress=False)
+    assert report["monitor_before"]["suspected"]
     assert report["stopped_early"] and len(report["rounds"]) < 3
     assert not report["monitor_after"]["suspected"]
+
+
+def test_no_early_stop_without_a_flag_before(clean_model, digits):
+    poisoned_free = digits[0]
+    sched = Schedule(**{**DIGITS_SCHEDULE.__dict__, "fractions": (0.05, 0.1), "epochs": (1, 1),
+                        "adv_batches": (1, 1), "early_stop": True})
+    _, report = erase(clean_model, poisoned_free, sched, seed=0, progress=False)
+    assert not report["monitor_before"]["suspected"] and len(report["rounds"]) == 2
 
 
 def test_aft_with_clean_extra_set(blend_model, digits):
