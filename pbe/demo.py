@@ -1,4 +1,4 @@
-"""``pbe demo``: the whole story on the built-in 8x8 digits in about a minute on a laptop CPU.
+"""``pbe demo``: the whole story on the built-in 8x8 digits in under a minute on a laptop CPU.
 
 Plant a Blend backdoor, show ACC/ASR and the trigger-free monitor, erase the backdoor with PBE without any
 clean data, and show the same numbers after.
