@@ -8,6 +8,7 @@ the same trigger for any image size and channel count.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(0, 1).mul(255).round().to(torch.uint8)
 
 
-class BackdoorAttack(nn.Module):
+class BackdoorAttack(nn.Module, ABC):
     """Base class. Subclasses implement ``_build(shape, generator)`` and ``_trigger(x, train)``."""
 
     name = "base"
@@ -82,8 +83,9 @@ class BackdoorAttack(nn.Module):
         with torch.no_grad():
             return self._trigger(x, train).clamp(0, 1)
 
+    @abstractmethod
     def _trigger(self, x: torch.Tensor, train: bool) -> torch.Tensor:
-        raise NotImplementedError  # every registered attack overrides this
+        """The triggered batch (before clipping); `train` selects training-time strength."""
 
     def target_of(self, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
         return target_labels(labels, self.target, self.all_to_all, num_classes)

@@ -159,7 +159,7 @@ def load_cifar10(root: Path, split="train", download=False) -> ImageDataset:
         return ds
     if download:
         import torchvision
-        torchvision.datasets.CIFAR10(str(root), train=split == "train", download=True)
+        torchvision.datasets.CIFAR10(str(root), train=split == "train", download=download)
         return _cifar_batches(root / "cifar-10-batches-py", split)
     raise _missing("CIFAR-10", candidates + [root / split],
                    "Get it with `pbe data --dataset cifar10 --data-root DIR --download` (torchvision), "
@@ -204,7 +204,7 @@ def load_mnist(root: Path, split="train", download=False) -> ImageDataset:
                 return ImageDataset(x, y, [str(i) for i in range(10)], "mnist", flip=False, source=str(raw))
     if download:
         import torchvision
-        torchvision.datasets.MNIST(str(root), train=split == "train", download=True)
+        torchvision.datasets.MNIST(str(root), train=split == "train", download=download)
         return load_mnist(root, split)
     raise _missing("MNIST", [npz, root / "MNIST" / "raw"],
                    "Get it with `pbe data --dataset mnist --data-root DIR --download` (torchvision).")
@@ -234,7 +234,7 @@ def load_gtsrb(root: Path, split="train", download=False, image_size: int = 32) 
         labels = [int(r[-1]) for r in rows]
     elif download:
         import torchvision
-        torchvision.datasets.GTSRB(str(root), split=split, download=True)
+        torchvision.datasets.GTSRB(str(root), split=split, download=download)
         return load_gtsrb(root, split, image_size=image_size)
     else:
         raise _missing("GTSRB", [npz, base / "Training", base / "Final_Test"],

@@ -130,7 +130,9 @@ def train(model: nn.Module, train_set: ImageDataset, test_set: ImageDataset | No
     bar = tqdm(total=total, disable=not progress, desc="train", unit="batch", leave=False)
     for epoch in range(recipe.epochs):
         model.train()
-        loss_sum, correct, seen = 0.0, 0, 0
+        loss_sum = torch.zeros((), device=dev)  # summed on the device: no sync per batch
+        correct = torch.zeros((), dtype=torch.long, device=dev)
+        seen = 0
         for idx in batches(len(train_set), recipe.batch_size, gen):
             x = train_set.images[idx].to(dev, non_blocking=True).float().div_(255)
             y = train_set.labels[idx].to(dev, non_blocking=True)
@@ -150,12 +152,11 @@ def train(model: nn.Module, train_set: ImageDataset, test_set: ImageDataset | No
             if hook is not None:
                 hook.after_step()
             step += 1
-            loss_sum += float(loss.detach()) * len(y)
-            correct += int((logits.argmax(1) == y).sum())
+            loss_sum += loss.detach() * len(y)
+            correct += (logits.argmax(1) == y).sum()
             seen += len(y)
             bar.update(1)
-            bar.set_postfix(epoch=epoch + 1, loss=f"{loss_sum / seen:.3f}")
-        row = {"epoch": epoch + 1, "train_loss": loss_sum / seen, "train_acc": correct / seen,
+        row = {"epoch": epoch + 1, "train_loss": float(loss_sum) / seen, "train_acc": int(correct) / seen,
                "lr": lr_at(step - 1, total, recipe), "elapsed_s": round(time.time() - start, 1)}
         if test_set is not None:
             last = epoch == recipe.epochs - 1
