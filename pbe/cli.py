@@ -27,10 +27,10 @@ def _load_both(args):
     return train, test
 
 
-def build_model(recipe, train_set, dataset_name: str):
+def build_model(recipe, train_set, dataset_name: str, seed: int):
     from pbe import models
     return models.create(recipe.model, train_set.num_classes, train_set.image_shape[0],
-                         dataset=dataset_name, width=recipe.width)
+                         dataset=dataset_name, seed=seed, width=recipe.width)
 
 
 def train_and_save(args, recipe, fit, attack=None, extra_meta: dict | None = None) -> dict:
@@ -44,7 +44,7 @@ def train_and_save(args, recipe, fit, attack=None, extra_meta: dict | None = Non
     if args.out is None:
         raise PBEError(f"pbe {args.command} needs --out DIR for the model and its metrics")
     train_set, test_set = _load_both(args)
-    model = build_model(recipe, train_set, args.dataset)
+    model = build_model(recipe, train_set, args.dataset, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "train_log.jsonl"
     log.unlink(missing_ok=True)

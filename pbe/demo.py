@@ -27,7 +27,7 @@ def run_demo(seed: int = 0, progress: bool = False, out=None) -> dict:
     start = time.time()
     train_set, test_set = data.load("digits", split="train"), data.load("digits", split="test")
     attack = attacks.create("blend", target=0, seed=seed)
-    model = models.create("small_cnn", 10, 1, dataset="digits")
+    model = models.create("small_cnn", 10, 1, dataset="digits", seed=seed)
     poisoned, _ = attack.plant(model, train_set, None, rate=0.1, recipe="tiny", seed=seed, epochs=12,
                                progress=progress)
     rows = []

@@ -141,14 +141,19 @@ def register(name: str, factory: Callable[..., nn.Module]) -> None:
     _MODELS[name] = factory
 
 
-def create(name: str, num_classes: int, in_channels: int = 3, dataset: str | None = None, **kw) -> nn.Module:
-    """Build a registered model; `dataset` fills in its normalisation statistics when known."""
+def create(name: str, num_classes: int, in_channels: int = 3, dataset: str | None = None,
+           seed: int | None = None, **kw) -> nn.Module:
+    """Build a registered model; `dataset` fills in its normalisation statistics when known, and
+    `seed` makes the initial weights reproducible (without touching the global random state)."""
     if name not in _MODELS:
         raise PBEError(f"unknown model {name!r}; available: {', '.join(available())}")
     if dataset in DATASET_STATS and "mean" not in kw and len(DATASET_STATS[dataset][0]) == in_channels:
         kw["mean"], kw["std"] = DATASET_STATS[dataset]
     try:
-        model = _MODELS[name](num_classes=num_classes, in_channels=in_channels, **kw)
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            model = _MODELS[name](num_classes=num_classes, in_channels=in_channels, **kw)
     except TypeError as err:
         raise PBEError(f"bad arguments for model {name!r}: {err}") from err
     model.pbe_spec = {"name": name, "num_classes": num_classes, "in_channels": in_channels,

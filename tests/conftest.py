@@ -27,7 +27,7 @@ def badnets_model(digits):
     from pbe import models
     train, _ = digits
     attack = attacks.create("badnets", target=0, size=2, seed=0)
-    model = models.create("small_cnn", 10, 1, dataset="digits", width=16)
+    model = models.create("small_cnn", 10, 1, dataset="digits", width=16, seed=0)
     poisoned, _ = attack.plant(model, train, None, rate=0.1, recipe="tiny", seed=0, epochs=12, progress=False)
     return model, attack, poisoned
 
@@ -38,7 +38,7 @@ def blend_model(digits):
     import attacks
     from pbe import models
     attack = attacks.create("blend", target=0, seed=0)
-    model = models.create("small_cnn", 10, 1, dataset="digits", width=16)
+    model = models.create("small_cnn", 10, 1, dataset="digits", width=16, seed=0)
     poisoned, _ = attack.plant(model, digits[0], None, rate=0.1, recipe="tiny", seed=0, epochs=12, progress=False)
     return model, attack, poisoned
 
@@ -47,7 +47,7 @@ def blend_model(digits):
 def clean_model(digits):
     from pbe import models
     from pbe.train import train
-    model = models.create("small_cnn", 10, 1, dataset="digits", width=16)
+    model = models.create("small_cnn", 10, 1, dataset="digits", width=16, seed=0)
     train(model, digits[0], recipe="tiny", seed=0, epochs=12, progress=False)
     return model
 

@@ -14,6 +14,17 @@ def test_models_take_unit_range_inputs_of_any_size(name, c, size):
     assert m.pbe_spec["name"] == name and m.pbe_spec["num_classes"] == 7
 
 
+def test_seeded_creation_is_reproducible_and_leaves_global_rng_alone():
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a = models.create("small_cnn", 10, 1, width=4, seed=7)
+    assert torch.equal(torch.rand(1), before)
+    b = models.create("small_cnn", 10, 1, width=4, seed=7)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert "seed" not in a.pbe_spec
+
+
 def test_normalisation_is_inside_the_model():
     m = models.create("small_cnn", 10, 3, dataset="cifar10", width=4)
     x = torch.full((1, 3, 1, 1), 0.4914)
