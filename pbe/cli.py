@@ -71,12 +71,19 @@ def cmd_train(args) -> dict:
     return train_and_save(args, recipe, fit)
 
 
-def cmd_evaluate(args) -> dict:
-    from pbe import checkpoint, data, metrics
+def load_model_and_test(args):
+    """The checkpoint named by --model and the test split of its dataset (the sidecar's, unless
+    --dataset names another one than the default)."""
+    from pbe import checkpoint, data
     model, meta = checkpoint.load(args.model, device="cpu")
     if args.dataset == "digits" and meta.get("dataset") not in (None, "digits"):
         args.dataset = meta["dataset"]
-    test_set = data.load(args.dataset, args.data_root, "test")
+    return model, meta, data.load(args.dataset, args.data_root, "test")
+
+
+def cmd_evaluate(args) -> dict:
+    from pbe import metrics
+    model, _, test_set = load_model_and_test(args)
     attack = None
     if args.attack_state:
         import attacks

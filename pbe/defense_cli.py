@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from pbe.cli import load_model_and_test
 from pbe.utils import PBEError
 
 
@@ -25,15 +26,6 @@ def _pgd_config(args, base=None):
     if args.steps is not None:
         cfg = replace(cfg, steps=args.steps)
     return cfg
-
-
-def _model_and_test(args):
-    from pbe import checkpoint, data
-    model, meta = checkpoint.load(args.model, device="cpu")
-    if args.dataset == "digits" and meta.get("dataset") not in (None, "digits"):
-        args.dataset = meta["dataset"]  # the model's own dataset unless one is named
-    test = data.load(args.dataset, args.data_root, "test")
-    return model, meta, test
 
 
 def _poisoned_from(run_dir: Path, clean_train):
@@ -58,7 +50,7 @@ def cmd_erase(args) -> dict:
 
     if args.out is None:
         raise PBEError("pbe erase needs --out DIR")
-    model, meta, test = _model_and_test(args)
+    model, meta, test = load_model_and_test(args)
     attack = None
     if args.attack_state:
         import attacks
@@ -114,7 +106,7 @@ def cmd_detect(args) -> dict:
     from pbe import data
     from pbe.activations import detect
     from pbe.adversarial import PGDConfig
-    model, meta, test = _model_and_test(args)
+    model, meta, test = load_model_and_test(args)
     ds = test if args.split == "test" else data.load(args.dataset, args.data_root, "train")
     mon = detect(model, ds, args.probe_size, _pgd_config(args, PGDConfig(eps=6 / 255, steps=5, step=2 / 255)),
                  threshold=args.threshold, seed=args.seed).as_dict()
@@ -135,7 +127,7 @@ def cmd_analyze(args) -> dict:
     from pbe.activations import detect, neuron_overlap, probe_indices
     from pbe.adversarial import PGDConfig, adversarial_examples
     from pbe.models import last_conv_name
-    model, meta, test = _model_and_test(args)
+    model, meta, test = load_model_and_test(args)
     attack = attacks.load(args.attack_state)
     idx = probe_indices(test.labels, args.probe_size, args.seed)
     idx = idx[test.labels[idx] != attack.target] if not attack.all_to_all else idx

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -168,12 +168,9 @@ def train(model: nn.Module, train_set: ImageDataset, test_set: ImageDataset | No
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
-        bar.write(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())) \
-            if progress else None
+        if progress:
+            bar.write(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     bar.close()
     model.eval()
     return history
 
-
-def recipe_dict(recipe: str | Recipe) -> dict:
-    return asdict(get_recipe(recipe))
