@@ -1,18 +1,7 @@
 """``pbe attack``: train an infected model and save it with its attack state and poison indices."""
 from __future__ import annotations
 
-import json
-
-
-def _param(text: str):
-    key, sep, value = text.partition("=")
-    if not sep:
-        from pbe.utils import PBEError
-        raise PBEError(f"--param takes KEY=VALUE, got {text!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
+from pbe.utils import parse_params
 
 
 def cmd_attack(args) -> dict:
@@ -21,7 +10,7 @@ def cmd_attack(args) -> dict:
     from pbe.train import get_recipe
     from pbe.utils import write_json
 
-    params = dict(_param(p) for p in args.param or [])
+    params = parse_params(args.param)
     attack = attacks.create(args.attack, target=args.target, all_to_all=args.all_to_all, seed=args.seed, **params)
     recipe = get_recipe(args.recipe, epochs=args.epochs)
     planted = {}

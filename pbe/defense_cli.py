@@ -42,64 +42,79 @@ def _poisoned_from(run_dir: Path, clean_train):
     return poisoned, attack
 
 
-def cmd_erase(args) -> dict:
+def run_defense(args, defense) -> dict:
+    """Shared by ``pbe defend`` and ``pbe erase``: give `defense` the data its setting allows, measure
+    it against the attack (evaluation only), and write model, report, metrics and plots to --out."""
     from pbe import checkpoint, data
-    from pbe.defense import SCHEDULES, Evaluation, aft, erase, get_schedule
+    from pbe.defense import Evaluation
     from pbe.plots import plot_histograms, plot_rounds
     from pbe.utils import hardware_string, write_json
 
     if args.out is None:
-        raise PBEError("pbe erase needs --out DIR")
+        raise PBEError(f"pbe {args.command} needs --out DIR")
     model, meta, test = load_model_and_test(args)
     attack = None
     if args.attack_state:
         import attacks
         attack = attacks.load(args.attack_state)
     clean_train = data.load(args.dataset, args.data_root, "train")
-    ev = Evaluation(test, attack, None)
-    sched = get_schedule(args.schedule)
-    sched = get_schedule(sched, pgd=_pgd_config(args, sched.pgd), lr=args.lr)
-    progress = not args.no_progress
-    if args.setting == "no-clean":
+    poison_indices, extra = None, {}
+    if defense.setting == "no-clean":
         if args.poison_from:
-            train_set, attack = _poisoned_from(Path(args.poison_from), clean_train)
-            ev = Evaluation(test, attack, train_set.poison_indices)
+            inputs, attack = _poisoned_from(Path(args.poison_from), clean_train)
+            poison_indices = inputs.poison_indices
         elif args.train_data:
-            train_set = data.load(args.train_data, args.data_root, "train")
+            inputs = data.load(args.train_data, args.data_root, "train")
         else:
-            raise PBEError("--setting no-clean needs the (poisoned) training set: --poison-from RUN_DIR "
-                           "(a `pbe attack` output) or --train-data DATASET")
-        purified, report = erase(model, train_set, sched, seed=args.seed, device=args.device,
-                                 progress=progress, evaluation=ev)
+            raise PBEError(f"{defense.name} works without clean data and needs the (poisoned) training set: "
+                           "--poison-from RUN_DIR (a `pbe attack` output) or --train-data DATASET")
     else:
         if not 0 < args.clean_fraction <= 1:
             raise PBEError(f"--clean-fraction must be in (0, 1], got {args.clean_fraction}")
         if args.poison_from and attack is None:
             import attacks
             attack = attacks.load(Path(args.poison_from) / "attack")
-            ev = Evaluation(test, attack, None)
         gen = torch.Generator().manual_seed(args.seed)
         idx = torch.randperm(len(clean_train), generator=gen)[:round(args.clean_fraction * len(clean_train))]
-        purified, report = aft(model, clean_train.subset(idx.sort().values), seed=args.seed, device=args.device,
-                               progress=progress, train_size=len(clean_train), evaluation=ev,
-                               pgd_config=_pgd_config(args, SCHEDULES["paper"].pgd))
-        report["clean_indices"] = idx.sort().values.tolist()
-    report["hardware"] = hardware_string()
-    report["command"] = " ".join(["pbe"] + sys.argv[1:])
+        inputs = clean_train.subset(idx.sort().values)
+        extra["clean_indices"] = idx.sort().values.tolist()
+    result = defense(model, inputs, seed=args.seed, device=args.device, progress=not args.no_progress,
+                     evaluation=Evaluation(test, attack, poison_indices), train_size=len(clean_train))
+    report = {**result.report, **extra, "hardware": hardware_string(), "command": " ".join(["pbe"] + sys.argv[1:])}
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "report.json", report)
-    plot_rounds(report, args.out / "rounds.png")
-    plot_histograms(report["monitor_before"], report["monitor_after"], args.out / "adversarial_labels.png",
-                    test.classes)
-    summary = {k: report.get(k) for k in ("before", "after", "der", "epoch_equivalents", "wall_s")}
-    summary["monitor_before"] = {k: report["monitor_before"][k] for k in ("top_label", "top_kappa", "suspected")}
-    summary["monitor_after"] = {k: report["monitor_after"][k] for k in ("top_label", "top_kappa", "suspected")}
-    checkpoint.save(purified, args.out / "model", {**{k: v for k, v in meta.items() if k != "metrics"},
-                                                   "defense": report["defense"], "setting": report["setting"],
-                                                   "seed": args.seed, "metrics": summary})
+    summary = {k: report.get(k) for k in ("defense", "setting", "params", "before", "after", "der", "detection",
+                                          "epoch_equivalents", "wall_s")}
+    if "monitor_before" in report:
+        plot_rounds(report, args.out / "rounds.png")
+        plot_histograms(report["monitor_before"], report["monitor_after"], args.out / "adversarial_labels.png",
+                        test.classes)
+        for when in ("monitor_before", "monitor_after"):
+            summary[when] = {k: report[when][k] for k in ("top_label", "top_kappa", "suspected")}
+    checkpoint.save(result.model, args.out / "model", {**{k: v for k, v in meta.items() if k != "metrics"},
+                                                       "defense": defense.name, "setting": defense.setting,
+                                                       "seed": args.seed, "metrics": summary})
     write_json(args.out / "metrics.json", summary)
-    print(json.dumps(summary))
+    print(json.dumps({k: v for k, v in summary.items() if k != "params"}))
     return report
+
+
+def cmd_defend(args) -> dict:
+    from pbe import defenses
+    from pbe.utils import parse_params
+    return run_defense(args, defenses.create(args.defense, **parse_params(args.param)))
+
+
+def cmd_erase(args) -> dict:
+    from pbe import defenses
+    from pbe.defense import SCHEDULES, get_schedule
+    if args.setting == "no-clean":
+        sched = get_schedule(args.schedule)
+        defense = defenses.create("pbe", schedule=get_schedule(sched, pgd=_pgd_config(args, sched.pgd), lr=args.lr))
+    else:
+        defense = defenses.create("aft", pgd=_pgd_config(args, SCHEDULES["paper"].pgd),
+                                  **({"lr": args.lr} if args.lr is not None else {}))
+    return run_defense(args, defense)
 
 
 def cmd_detect(args) -> dict:
@@ -144,28 +159,42 @@ def cmd_analyze(args) -> dict:
     return out
 
 
-def register(sub, common) -> None:
-    from pbe.defense import SCHEDULES
-    p = sub.add_parser("erase", help="purify a model: PBE without clean data, or AFT with a clean extra set")
-    common(p)
+def _defense_data_args(p) -> None:
     p.add_argument("--model", required=True, help="model to purify (checkpoint directory or file)")
-    p.add_argument("--setting", choices=["no-clean", "clean-extra"], default="no-clean")
-    p.add_argument("--clean-fraction", type=float, default=0.05, help="clean-extra: share of the clean training set")
-    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="fast")
-    p.add_argument("--lr", type=float, help="fine-tuning learning rate (default: the schedule's)")
+    p.add_argument("--clean-fraction", type=float, default=0.05,
+                   help="clean-extra defences: share of the clean training set they get (default 0.05)")
     p.add_argument("--poison-from", help="`pbe attack --out` directory: rebuild its poisoned training set and "
                    "use its trigger and indices for evaluation only")
     p.add_argument("--train-data", help="the (poisoned) training set as a dataset name, e.g. npz:/path")
     p.add_argument("--attack-state", help="attack state, to measure ASR (evaluation only)")
+
+
+def register(sub, common) -> None:
+    from pbe import defenses
+    from pbe.defense import SCHEDULES
+    p = sub.add_parser("erase", help="purify a model: PBE without clean data, or AFT with a clean extra set")
+    common(p)
+    _defense_data_args(p)
+    p.add_argument("--setting", choices=["no-clean", "clean-extra"], default="no-clean")
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="fast")
+    p.add_argument("--lr", type=float, help="fine-tuning learning rate (default: the schedule's)")
     _pgd_args(p)
     p.set_defaults(func=cmd_erase)
+
+    p = sub.add_parser("defend", help="run any registered defence (" + " ".join(defenses.available()) + ")")
+    common(p)
+    _defense_data_args(p)
+    p.add_argument("--defense", required=True, choices=defenses.available())
+    p.add_argument("--param", action="append", metavar="KEY=VALUE",
+                   help="defence parameter, e.g. --param epochs=20 --param retrain=quick (repeatable)")
+    p.set_defaults(func=cmd_defend)
 
     p = sub.add_parser("detect", help="is a backdoor suspected? (adversarial-label concentration, no trigger)")
     common(p)
     p.add_argument("--model", required=True)
     p.add_argument("--split", choices=["train", "test"], default="test")
     p.add_argument("--probe-size", type=int, default=500)
-    p.add_argument("--threshold", type=float, default=0.5, 
+    p.add_argument("--threshold", type=float, default=0.5,
                    help="kappa threshold: chance-corrected attraction of the top label")
     _pgd_args(p)
     p.set_defaults(func=cmd_detect)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 from pbe.utils import PBEError, atomic_path, write_json
 
@@ -21,9 +22,11 @@ def _pct(v) -> str:
 
 
 class ResultsTable:
-    def __init__(self, path: str | Path, title: str, regenerate: str):
+    def __init__(self, path: str | Path, title: str, regenerate: str,
+                 footer: Callable[[list[dict]], str] | None = None):
+        """`footer(rows)` returns Markdown appended below the table (summaries, references)."""
         self.json_path = Path(path).with_suffix(".json")
-        self.title, self.regenerate = title, regenerate
+        self.title, self.regenerate, self.footer = title, regenerate, footer
         self.rows: list[dict] = json.loads(self.json_path.read_text()) if self.json_path.exists() else []
 
     @staticmethod
@@ -48,20 +51,24 @@ class ResultsTable:
 
     def markdown(self) -> str:
         head = ["attack", "a2a", "defense", "setting", "seed", "ACC before", "ASR before", "ACC %", "ASR %",
-                "RA %", "DER", "wall s", "epoch-eq.", "hardware", "command"]
+                "RA %", "DER", "det. P / R %", "wall s", "epoch-eq.", "hardware", "command"]
         lines = [f"# {self.title}", "", f"Regenerate: `{self.regenerate}` (cells with a row are skipped; "
                  "delete a row from the JSON to rerun it). Values in %, from the JSON beside this file.", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in self.rows:
             der = "–" if r.get("der") is None else f"{r['der']:.3f}"
             ee = "–" if r.get("epoch_equivalents") is None else f"{r['epoch_equivalents']:.2f}"
+            det = r.get("detection") or {}
+            pr = f"{_pct(det['precision'])} / {_pct(det['recall'])}" if "precision" in det else "–"
             lines.append("| " + " | ".join([
                 str(r["attack"]), "yes" if r["all_to_all"] else "no", str(r["defense"]), str(r["setting"] or "–"),
                 str(r["seed"]), _pct(r.get("acc_before")), _pct(r.get("asr_before")), _pct(r["acc"]),
-                _pct(r["asr"]), _pct(r["ra"]), der, f"{r['wall_s']:.0f}", ee, r["hardware"],
+                _pct(r["asr"]), _pct(r["ra"]), der, pr, f"{r['wall_s']:.0f}", ee, r["hardware"],
                 f"`{r['command']}`"]) + " |")
         first = self.rows[0] if self.rows else {}
         if first:
             lines += ["", f"Dataset `{first['dataset']}`, model `{first['model']}`, recipe `{first['recipe']}`, "
                       f"toolkit {first['toolkit_version']}."]
+        if self.footer is not None:
+            lines += ["", self.footer(self.rows)]
         return "\n".join(lines) + "\n"

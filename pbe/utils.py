@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -40,7 +41,11 @@ def seed_everything(seed: int) -> torch.Generator:
 
 
 def use_all_cpus() -> int:
-    """Let torch use every CPU this process may run on (cgroups/affinity aware)."""
+    """Let torch use every CPU this process may run on (cgroups/affinity aware), unless
+    OMP_NUM_THREADS sets a number (e.g. to share the machine with another run)."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        return int(os.environ["OMP_NUM_THREADS"])
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
@@ -77,6 +82,8 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
 
 
 def _json_default(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
     if isinstance(obj, (np.integer, np.floating)):
         return obj.item()
     if isinstance(obj, (np.ndarray, torch.Tensor)):
@@ -84,6 +91,21 @@ def _json_default(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     raise TypeError(f"cannot write {type(obj).__name__} as JSON")
+
+
+def parse_params(items: list[str] | None) -> dict:
+    """``--param KEY=VALUE`` options as a dict; values are read as JSON when they parse (numbers,
+    lists, null), else kept as strings."""
+    params = {}
+    for text in items or []:
+        key, sep, value = text.partition("=")
+        if not sep or not key:
+            raise PBEError(f"--param takes KEY=VALUE, got {text!r}")
+        try:
+            params[key] = json.loads(value)
+        except json.JSONDecodeError:
+            params[key] = value
+    return params
 
 
 def toolkit_version() -> str:

@@ -48,6 +48,30 @@ def test_cli_erase_clean_extra_and_user_errors(attack_run, tmp_path):
     assert r.returncode == 2 and "--clean-fraction" in r.stderr
 
 
+def test_cli_defend_runs_registered_defences_and_rejects_bad_input(attack_run, tmp_path):
+    from pbe import checkpoint
+    run = str(attack_run)
+    r = run_cli("defend", "--defense", "nad", "--model", run, "--poison-from", run, "--clean-fraction", "0.2",
+                "--param", "epochs=3", "--param", "teacher_epochs=2", "--out", str(tmp_path / "nad"), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "nad" / "metrics.json").read_text())
+    assert summary["defense"] == "nad" and summary["params"]["epochs"] == 3 and summary["before"]["asr"] > 0.9
+    report = json.loads((tmp_path / "nad" / "report.json").read_text())
+    assert len(report["clean_indices"]) == round(0.2 * 1437) and report["hardware"] and report["command"]
+    purified, meta = checkpoint.load(tmp_path / "nad" / "model")
+    original, _ = checkpoint.load(attack_run / "model")
+    assert meta["defense"] == "nad" and purified.state_dict().keys() == original.state_dict().keys()
+    r = run_cli("defend", "--defense", "strip", "--model", run, "--poison-from", run, "--param", "n=4",
+                "--param", "retrain=null", "--out", str(tmp_path / "strip"), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "strip" / "report.json").read_text())
+    assert report["detection"]["flagged"] == len(report["suspected_indices"]) > 0
+    r = run_cli("defend", "--defense", "ac", "--model", run, "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "--poison-from" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("defend", "--defense", "ft", "--model", run, "--param", "epochz=2", "--out", str(tmp_path / "y"))
+    assert r.returncode == 2 and "unknown parameter" in r.stderr and "Traceback" not in r.stderr
+
+
 def _row(**kw):
     row = {k: None for k in REQUIRED}
     row.update(dataset="digits", model="m", recipe="tiny", attack="badnets", rate=0.1, target=0, all_to_all=False,

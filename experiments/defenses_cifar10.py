@@ -1,0 +1,135 @@
+"""Every defence side by side on the infected CIFAR-10 models of experiments/attacks_cifar10.py
+-> experiments/results/defenses_cifar10.{json,md}. Resumable: cells with a row are skipped; an
+infected model that does not exist yet is reported and skipped.
+
+    python experiments/defenses_cifar10.py [--recipe cpu] [--only badnets blend] [--defenses ft nad]
+
+CPU budget. The defaults of each defence are its paper's / BackdoorBench's (100 fine-tuning epochs,
+2,000 ANP iterations, 100 STRIP overlays), sized for GPUs. On 2 CPU cores this script gives the
+fine-tuning defences AFT's budget instead (20 epochs on the 5% clean set = 1 epoch-equivalent),
+ANP 400 iterations, STRIP 10 overlays, and retrains the filtering defences with the infected model's
+own recipe; every row records its parameters. `--paper-budget` runs the defaults instead.
+PBE and AFT rows are copied from experiments/results/pbe_cifar10.json when that table has them (same
+infected model, same data), else run here through `pbe defend`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from statistics import mean
+
+from attacks_cifar10 import CELLS
+from common import HERE, ROOT, RUNS, run_cell
+
+from pbe.results import ResultsTable
+from pbe.utils import toolkit_version
+
+ORDER = ["ft", "fp", "nad", "anp", "ibau", "aft", "pbe", "ac", "ss", "strip"]
+SETTING = {"pbe": "no-clean", "ac": "no-clean", "ss": "no-clean", "strip": "no-clean"}
+
+
+def cpu_budget(defense: str, recipe: str) -> dict:
+    return {"ft": {"epochs": 20}, "fp": {"epochs": 20}, "nad": {"epochs": 20}, "anp": {"iterations": 400},
+            "ac": {"retrain": recipe}, "ss": {"retrain": recipe}, "strip": {"n": 10, "retrain": recipe}}.get(defense, {})
+
+
+def reference_markdown() -> str:
+    ref = json.loads((HERE / "reference" / "backdoorbench_cifar10_preact_pratio0.01.json").read_text())
+    defenses = list(dict.fromkeys(r["defense"] for r in ref["rows"]))
+    lines = ["## For reference only: BackdoorBench's published numbers (not comparable column by column)", "",
+             f"Source: {ref['source']}. Setting: {ref['setting']}. {ref['missing']}. ACC / ASR / RA in %.", "",
+             "| attack | " + " | ".join(defenses) + " |", "|---|" + "---|" * len(defenses)]
+    for attack in dict.fromkeys(r["attack"] for r in ref["rows"]):
+        cells = {r["defense"]: f"{r['acc']:.1f} / {r['asr']:.1f} / {r['ra']:.1f}"
+                 for r in ref["rows"] if r["attack"] == attack}
+        lines.append(f"| {attack} | " + " | ".join(cells.get(d, "–") for d in defenses) + " |")
+    return "\n".join(lines)
+
+
+def summary_markdown(rows: list[dict]) -> str:
+    lines = ["## Mean over the attacks measured", "",
+             "| defense | setting | attacks | ACC % | ASR % | RA % | DER | det. precision % | det. recall % | "
+             "wall s | epoch-eq. |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d in ORDER:
+        rs = [r for r in rows if r["defense"] == d]
+        if not rs:
+            continue
+
+        def avg(key, rs=rs):
+            vals = [r[key] for r in rs if r.get(key) is not None]
+            return mean(vals) if vals else None
+
+        def det(key, rs=rs):
+            vals = [r["detection"][key] for r in rs if r.get("detection") and r["detection"].get(key) is not None]
+            return f"{100 * mean(vals):.1f}" if vals and d in ("ac", "ss", "strip") else "–"
+
+        pct = [("–" if avg(k) is None else f"{100 * avg(k):.2f}") for k in ("acc", "asr", "ra")]
+        lines.append(f"| {d} | {rs[0]['setting']} | {', '.join(r['attack'] for r in rs)} | " + " | ".join(pct)
+                     + f" | {avg('der'):.3f} | {det('precision')} | {det('recall')} | {avg('wall_s'):.0f} | "
+                     f"{avg('epoch_equivalents'):.2f} |")
+    return "\n".join(lines) + "\n\n" + reference_markdown()
+
+
+def copy_pbe_row(cell: dict) -> dict | None:
+    path = HERE / "results" / "pbe_cifar10.json"
+    if not path.exists():
+        return None
+    key = {k: v for k, v in cell.items()}
+    for row in json.loads(path.read_text()):
+        if all(row.get(k) == v for k, v in key.items()):
+            return {**row, "params": {"schedule": row.get("schedule")} if cell["defense"] == "pbe" else {},
+                    "source": "experiments/results/pbe_cifar10.json"}
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data-root", default="../shared/data/cifar10")
+    ap.add_argument("--recipe", default="cpu", help="recipe of the infected models")
+    ap.add_argument("--only", nargs="*", help="attack names to run")
+    ap.add_argument("--defenses", nargs="*", default=ORDER, choices=ORDER)
+    ap.add_argument("--paper-budget", action="store_true", help="the defences' own defaults (GPU-sized)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    table = ResultsTable(HERE / "results" / "defenses_cifar10", "Defences side by side on infected CIFAR-10 models",
+                         "python experiments/defenses_cifar10.py", footer=summary_markdown)
+    for attack, a2a, _ in CELLS:
+        if a2a or (args.only and attack not in args.only):
+            continue
+        src = RUNS / "attacks_cifar10" / f"{attack}_{args.recipe}_seed{args.seed}"
+        if not (ROOT / src / "model.safetensors").exists():
+            print(f"skip {src.name}: infected model missing (run experiments/attacks_cifar10.py first)")
+            continue
+        for defense in args.defenses:
+            setting = SETTING.get(defense, "clean-extra")
+            cell = dict(dataset="cifar10", model="preact_resnet18(width=16)", recipe=args.recipe, attack=attack,
+                        rate=0.1, target=0, all_to_all=False, defense=defense, setting=setting, seed=args.seed)
+            if table.find(**cell):
+                print(f"skip {src.name} {defense}: already in the table")
+                continue
+            if defense in ("pbe", "aft") and (row := copy_pbe_row(cell)):
+                table.add(row)
+                print(f"{src.name} {defense}: copied from pbe_cifar10.json")
+                continue
+            params = {} if args.paper_budget else cpu_budget(defense, args.recipe)
+            out = RUNS / "defenses_cifar10" / f"{src.name}_{defense}"
+            cmd = ["pbe", "defend", "--defense", defense, "--model", str(src), "--dataset", "cifar10",
+                   "--data-root", args.data_root, "--poison-from", str(src), "--seed", str(args.seed),
+                   "--out", str(out), "--no-progress", "--clean-fraction", "0.05"]
+            for k, v in params.items():
+                cmd += ["--param", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
+            m = run_cell(cmd, out)
+            report = json.loads((ROOT / out / "report.json").read_text())
+            b, a = report["before"], report["after"]
+            table.add({**cell, "acc": a["acc"], "asr": a["asr"], "ra": a["ra"], "acc_before": b["acc"],
+                       "asr_before": b["asr"], "ra_before": b["ra"], "der": report.get("der"),
+                       "detection": report.get("detection"), "wall_s": report["wall_s"],
+                       "epoch_equivalents": report["epoch_equivalents"], "command": m["command"],
+                       "hardware": report["hardware"], "toolkit_version": toolkit_version(),
+                       "params": report["params"], "budget": "paper" if args.paper_budget else "cpu"})
+            print(f"{src.name} {defense}: acc {b['acc']:.4f}->{a['acc']:.4f} asr {b['asr']:.4f}->{a['asr']:.4f} "
+                  f"ee={report['epoch_equivalents']:.2f} wall={report['wall_s']:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Defences behind one interface: ``pbe.defenses.create(name, **params)(model, data, ...)``.
+
+Model repair with a clean extra set: ``ft``, ``fp``, ``nad``, ``anp``, ``ibau``, ``aft``.
+Without clean data: ``pbe`` (repair) and the filtering defences ``ac``, ``ss``, ``strip``.
+
+    >>> defense = pbe.defenses.create("nad", epochs=20)
+    >>> result = defense(model, clean_set, evaluation=Evaluation(test_set, attack))
+    >>> result.model, result.report["after"], result.suspected
+"""
+from __future__ import annotations
+
+from pbe.defenses.ac import ActivationClustering
+from pbe.defenses.anp import ANP
+from pbe.defenses.base import SETTINGS, Context, Defense, DefenseResult
+from pbe.defenses.filtering import FilteringDefense
+from pbe.defenses.fp import FinePruning
+from pbe.defenses.ft import FineTuning
+from pbe.defenses.ibau import IBAU
+from pbe.defenses.nad import NAD
+from pbe.defenses.pbe_aft import AFT, PBE
+from pbe.defenses.ss import SpectralSignatures
+from pbe.defenses.strip import STRIP
+from pbe.utils import PBEError
+
+REGISTRY: dict[str, type[Defense]] = {cls.name: cls for cls in (
+    FineTuning, FinePruning, NAD, ANP, IBAU, AFT, PBE, ActivationClustering, SpectralSignatures, STRIP)}
+
+
+def available(setting: str | None = None) -> list[str]:
+    return [n for n, cls in REGISTRY.items() if setting is None or cls.setting == setting]
+
+
+def create(name: str, **params) -> Defense:
+    if name not in REGISTRY:
+        raise PBEError(f"unknown defence {name!r}; available: {', '.join(REGISTRY)}")
+    return REGISTRY[name](**params)
+
+
+__all__ = ["REGISTRY", "SETTINGS", "Context", "Defense", "DefenseResult", "FilteringDefense", "available", "create"]

@@ -1,0 +1,186 @@
+"""What every defence shares: parameters checked at construction, one call that seeds, copies the
+model, times and counts the work, measures before/after (only with an `Evaluation`), and returns a
+`DefenseResult`. A subclass writes `_defend` only.
+
+Two settings (PBE.md): ``clean-extra`` defences get a small clean set (5% of the clean training set
+by default, as in BackdoorBench); ``no-clean`` defences get the possibly poisoned training set.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from pbe.data import ImageDataset, augment
+from pbe.defense import Cost, Evaluation, ranking_quality
+from pbe.metrics import der, evaluate
+from pbe.train import batches
+from pbe.utils import PBEError, resolve_device, seed_everything, use_all_cpus
+
+SETTINGS = ("clean-extra", "no-clean")
+
+
+@dataclass
+class DefenseResult:
+    model: nn.Module  # purified (repair) or retrained without the flagged samples (filtering)
+    report: dict
+    suspected: torch.Tensor | None = None  # filtering defences: indices flagged as poisoned
+
+
+@dataclass
+class Context:
+    """Per-call state handed to `_defend`: device, the seeded generator, the cost counter."""
+
+    device: torch.device
+    gen: torch.Generator
+    seed: int
+    progress: bool
+    cost: Cost = field(default_factory=Cost)
+    evaluation: Evaluation | None = None  # for per-round reports only: a defence must not use it
+
+
+class Defense(ABC):
+    """Base class. Subclasses set `name`, `setting`, `defaults` (their paper's or BackdoorBench's
+    hyperparameters) and implement `_defend(model, data, ctx) -> (model, report, suspected)`."""
+
+    name: ClassVar[str]
+    setting: ClassVar[str]
+    defaults: ClassVar[dict]
+
+    def __init__(self, **params):
+        unknown = set(params) - set(self.defaults)
+        if unknown:
+            raise PBEError(f"{self.name}: unknown parameter(s) {sorted(unknown)}; "
+                           f"known: {', '.join(sorted(self.defaults))}")
+        self.params = {**self.defaults, **params}
+        self._check()
+
+    def _check(self) -> None:
+        """Validate `self.params`; raise PBEError naming the parameter."""
+
+    def __repr__(self) -> str:
+        changed = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v != self.defaults[k])
+        return f"{type(self).__name__}({changed})"
+
+    def __call__(self, model: nn.Module, data: ImageDataset, *, seed: int = 0, device="auto",
+                 progress: bool = True, evaluation: Evaluation | None = None,
+                 train_size: int | None = None) -> DefenseResult:
+        """Defend `model` with `data` (the clean extra set or the poisoned training set, by setting).
+        `train_size` (the full training set's size) is the unit of the reported epoch-equivalents."""
+        if not isinstance(data, ImageDataset) or len(data) == 0:
+            raise PBEError(f"{self.name} needs a non-empty ImageDataset "
+                           f"({'the clean extra set' if self.setting == 'clean-extra' else 'the training set'})")
+        dev = resolve_device(device)
+        if dev.type == "cpu":
+            use_all_cpus()
+        ctx = Context(dev, seed_everything(seed), seed, progress, evaluation=evaluation)
+        start = time.time()
+        model = copy.deepcopy(model).to(dev).eval()
+        before = _measure(model, evaluation)
+        model, report, suspected = self._defend(model, data, ctx)
+        model.eval()
+        n = train_size or len(data)
+        report = {"defense": self.name, "setting": self.setting, "params": self.params, "seed": seed,
+                  "data_size": len(data), "train_size": n, "before": before, "after": _measure(model, evaluation),
+                  **report, "epoch_equivalents": ctx.cost.epoch_equivalents(n),
+                  "passes": {"forward_backward": ctx.cost.forward_backward, "forward": ctx.cost.forward},
+                  "wall_s": round(time.time() - start, 1)}
+        b, a = report["before"], report["after"]
+        if b.get("asr") is not None:
+            report["der"] = der(b["acc"], b["asr"], a["acc"], a["asr"])
+        if suspected is not None:
+            report["suspected_indices"] = suspected.tolist()
+            if evaluation is not None and evaluation.poison_indices is not None and "scores" in report:
+                flagged = torch.zeros(len(data), dtype=torch.bool)
+                flagged[suspected] = True
+                # ranking_quality ranks low scores as poisoned; filtering scores are "higher = more suspicious"
+                report["detection"] = ranking_quality(-torch.tensor(report["scores"]), flagged,
+                                                      evaluation.poison_indices)
+        return DefenseResult(model, report, suspected)
+
+    @abstractmethod
+    def _defend(self, model: nn.Module, data: ImageDataset, ctx: Context) -> tuple[nn.Module, dict,
+                                                                                 torch.Tensor | None]:
+        """Return the defended model, report entries, and flagged indices (filtering) or None."""
+
+
+def _measure(model, ev: Evaluation | None) -> dict:
+    return evaluate(model, ev.test_set, ev.attack) if ev is not None and ev.test_set is not None else {}
+
+
+# ---------------------------------------------------------------- shared building blocks
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+def sgd_finetune(model: nn.Module, data: ImageDataset, ctx: Context, *, epochs: int, lr: float,
+                 batch_size: int = 256, momentum: float = 0.9, weight_decay: float = 5e-4,
+                 crop_padding: int = 4, loss_fn: LossFn = cross_entropy, after_step: Callable[[], None] | None = None,
+                 desc: str = "fine-tune") -> None:
+    """SGD with per-epoch cosine annealing (BackdoorBench's fine-tuning loop) on augmented batches."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    bar = tqdm(total=epochs * math.ceil(len(data) / batch_size), desc=desc, disable=not ctx.progress,
+               leave=False, unit="batch")
+    for epoch in range(epochs):
+        for g in opt.param_groups:
+            g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * epoch / epochs))
+        model.train()
+        for idx in batches(len(data), batch_size, ctx.gen):
+            x = augment(data.images[idx].to(ctx.device).float().div_(255), crop_padding, data.flip, ctx.gen)
+            y = data.labels[idx].to(ctx.device)
+            loss = loss_fn(model, x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if after_step is not None:
+                after_step()
+            ctx.cost.forward_backward += len(y)
+            bar.update(1)
+    bar.close()
+    model.eval()
+
+
+def last_linear(model: nn.Module) -> nn.Linear:
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise PBEError("the model has no nn.Linear head; this defence reads the penultimate features")
+    return linears[-1]
+
+
+@torch.no_grad()
+def penultimate(model: nn.Module, images: torch.Tensor, ctx: Context, batch_size: int = 512) -> torch.Tensor:
+    """Inputs of the last linear layer (the representation AC and SS cluster), for uint8 images."""
+    store: list[torch.Tensor] = []
+    hook = last_linear(model).register_forward_hook(lambda m, i, o: store.append(i[0].flatten(1).float().cpu()))
+    model.eval()
+    try:
+        for s in range(0, len(images), batch_size):
+            model(images[s:s + batch_size].to(ctx.device).float().div_(255))
+    finally:
+        hook.remove()
+    ctx.cost.forward += len(images)
+    return torch.cat(store)
+
+
+def fresh_copy(model: nn.Module, seed: int) -> nn.Module:
+    """Same architecture, re-initialised (seeded) weights: what filtering defences retrain."""
+    model = copy.deepcopy(model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.reset_running_stats()
+    return model

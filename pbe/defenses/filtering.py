@@ -1,0 +1,50 @@
+"""Data-filtering defences: score every training sample (higher = more suspicious), flag some, and
+retrain the model from scratch without them. They see only the possibly poisoned training set and
+the infected model; a subclass writes `score_and_flag`.
+
+`retrain` names a training recipe of `pbe.train` (the infected model's recipe is the fair choice);
+None skips retraining and returns the infected model unchanged with the flagged indices.
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+import torch.nn as nn
+
+from pbe.data import ImageDataset
+from pbe.defenses.base import Context, Defense, fresh_copy
+from pbe.utils import PBEError
+
+RETRAIN_DEFAULTS = {"retrain": "cpu", "retrain_epochs": None}
+
+
+class FilteringDefense(Defense):
+    setting = "no-clean"
+
+    @abstractmethod
+    def score_and_flag(self, model: nn.Module, data: ImageDataset,
+                       ctx: Context) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Per-sample suspicion scores (float, len(data)), the boolean mask of flagged samples, and
+        what the report should say about how they were flagged."""
+
+    def _defend(self, model, data: ImageDataset, ctx: Context):
+        from pbe.train import get_recipe, train
+        scores, flagged, info = self.score_and_flag(model, data, ctx)
+        if scores.shape != (len(data),) or flagged.shape != (len(data),):
+            raise PBEError(f"{self.name}: scores/flags must have one entry per training sample")
+        suspected = flagged.nonzero().flatten()
+        keep = (~flagged).nonzero().flatten()
+        report = {"scores": [round(float(s), 6) for s in scores], "flagged": len(suspected), "kept": len(keep),
+                  **info}
+        if self.params["retrain"] is None:
+            return model, report, suspected
+        if len(keep) == 0:
+            raise PBEError(f"{self.name} flagged every training sample; nothing is left to retrain on")
+        recipe = get_recipe(self.params["retrain"], epochs=self.params["retrain_epochs"])
+        retrained = fresh_copy(model, ctx.seed)
+        history = train(retrained, data.subset(keep), None, recipe, seed=ctx.seed, device=ctx.device,
+                        progress=ctx.progress)
+        ctx.cost.forward_backward += recipe.epochs * len(keep)
+        report["retrain"] = {"recipe": self.params["retrain"], "epochs": recipe.epochs, "log": history}
+        return retrained, report, suspected
