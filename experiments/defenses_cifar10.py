@@ -1,5 +1,6 @@
 """Every defence side by side on the infected CIFAR-10 models of experiments/attacks_cifar10.py
--> experiments/results/defenses_cifar10.{json,md}. Resumable: cells with a row are skipped; an
+-> experiments/results/defenses_cifar10.{json,md}. Resumable: cells with a row measured on the
+infected model now on disk are skipped (rows of an earlier build of that model are rerun); an
 infected model that does not exist yet is reported and skipped.
 
     python experiments/defenses_cifar10.py [--recipe cpu] [--only badnets blend] [--defenses ft nad]
@@ -34,8 +35,8 @@ def cpu_budget(defense: str, recipe: str) -> dict:
 
 
 def reference_markdown() -> str:
-    ref = json.loads((HERE / "reference" / "backdoorbench_cifar10_preact_pratio0.01.json").read_text())
-    defenses = list(dict.fromkeys(r["defense"] for r in ref["rows"]))
+    ref = json.loads((HERE / "reference" / "backdoorbench_cifar10_preact_pratio0.1.json").read_text())
+    defenses = [d for d in ["none"] + ORDER if any(r["defense"] == d for r in ref["rows"])]
     lines = ["## For reference only: BackdoorBench's published numbers (not comparable column by column)", "",
              f"Source: {ref['source']}. Setting: {ref['setting']}. {ref['missing']}. ACC / ASR / RA in %.", "",
              "| attack | " + " | ".join(defenses) + " |", "|---|" + "---|" * len(defenses)]
@@ -46,14 +47,35 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
-def summary_markdown(rows: list[dict]) -> str:
-    lines = ["## Mean over the attacks measured", "",
-             "| defense | setting | attacks | ACC % | ASR % | RA % | DER | det. precision % | det. recall % | "
-             "wall s | epoch-eq. |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+def matrix_markdown(rows: list[dict]) -> str:
+    """ACC / ASR after each defence (rows) on each infected model (columns): the at-a-glance view."""
+    attacks = [a for a, a2a, _ in CELLS if not a2a and any(r["attack"] == a for r in rows)]
+    lines = ["## ACC / ASR (%) after each defence, per attack", "",
+             "| defense | setting | " + " | ".join(attacks) + " |", "|---|---|" + "---|" * len(attacks)]
+    last = {a: [r for r in rows if r["attack"] == a][-1] for a in attacks}  # the newest build of the model
+    lines.append("| none (infected) | – | " + " | ".join(
+        f"{100 * last[a]['acc_before']:.1f} / {100 * last[a]['asr_before']:.1f}" for a in attacks) + " |")
     for d in ORDER:
-        rs = [r for r in rows if r["defense"] == d]
-        if not rs:
-            continue
+        cells = {r["attack"]: r for r in rows if r["defense"] == d}
+        if cells:
+            lines.append(f"| {d} | {SETTING.get(d, 'clean-extra')} | " + " | ".join(
+                f"{100 * cells[a]['acc']:.1f} / {100 * cells[a]['asr']:.1f}" if a in cells else "–"
+                for a in attacks) + " |")
+    return "\n".join(lines)
+
+
+def summary_markdown(rows: list[dict]) -> str:
+    """Means per defence over the attacks that every defence in the table has run, so that the
+    means compare like with like; the matrix above shows the rest."""
+    defenses = [d for d in ORDER if any(r["defense"] == d for r in rows)]
+    common = [a for a, a2a, _ in CELLS if not a2a
+              and all(any(r["attack"] == a and r["defense"] == d for r in rows) for d in defenses)]
+    lines = [matrix_markdown(rows), "",
+             f"## Mean over the attacks every defence has run ({', '.join(common) or 'none yet'})", "",
+             "| defense | setting | ACC % | ASR % | RA % | DER | det. precision % | det. recall % | "
+             "wall s | epoch-eq. |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for d in defenses if common else []:
+        rs = [r for r in rows if r["defense"] == d and r["attack"] in common]
 
         def avg(key, rs=rs):
             vals = [r[key] for r in rs if r.get(key) is not None]
@@ -64,10 +86,16 @@ def summary_markdown(rows: list[dict]) -> str:
             return f"{100 * mean(vals):.1f}" if vals and d in ("ac", "ss", "strip") else "–"
 
         pct = [("–" if avg(k) is None else f"{100 * avg(k):.2f}") for k in ("acc", "asr", "ra")]
-        lines.append(f"| {d} | {rs[0]['setting']} | {', '.join(r['attack'] for r in rs)} | " + " | ".join(pct)
+        lines.append(f"| {d} | {rs[0]['setting']} | " + " | ".join(pct)
                      + f" | {avg('der'):.3f} | {det('precision')} | {det('recall')} | {avg('wall_s'):.0f} | "
                      f"{avg('epoch_equivalents'):.2f} |")
     return "\n".join(lines) + "\n\n" + reference_markdown()
+
+
+def same_model(row: dict, infected: dict) -> bool:
+    """Whether a stored row was measured on the infected model now on disk (its ACC / ASR before the
+    defence match the model's own metrics); a model rebuilt by a newer toolkit invalidates old rows."""
+    return all(abs(row[f"{k}_before"] - infected[k]) < 5e-5 for k in ("acc", "asr"))
 
 
 def copy_pbe_row(cell: dict) -> dict | None:
@@ -100,14 +128,17 @@ def main() -> None:
         if not (ROOT / src / "model.safetensors").exists():
             print(f"skip {src.name}: infected model missing (run experiments/attacks_cifar10.py first)")
             continue
+        infected = json.loads((ROOT / src / "metrics.json").read_text())
         for defense in args.defenses:
             setting = SETTING.get(defense, "clean-extra")
             cell = dict(dataset="cifar10", model="preact_resnet18(width=16)", recipe=args.recipe, attack=attack,
                         rate=0.1, target=0, all_to_all=False, defense=defense, setting=setting, seed=args.seed)
-            if table.find(**cell):
+            if (row := table.find(**cell)) and same_model(row, infected):
                 print(f"skip {src.name} {defense}: already in the table")
                 continue
-            if defense in ("pbe", "aft") and (row := copy_pbe_row(cell)):
+            if row:
+                print(f"{src.name} {defense}: the stored row is of an earlier build of this infected model; rerun")
+            if defense in ("pbe", "aft") and (row := copy_pbe_row(cell)) and same_model(row, infected):
                 table.add(row)
                 print(f"{src.name} {defense}: copied from pbe_cifar10.json")
                 continue
