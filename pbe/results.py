@@ -5,9 +5,15 @@ run continues where it stopped, and to write both files atomically after every r
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 from pbe.utils import PBEError, atomic_path, write_json
 
@@ -15,6 +21,22 @@ REQUIRED = ["dataset", "model", "recipe", "attack", "rate", "target", "all_to_al
             "seed", "acc", "asr", "ra", "acc_before", "asr_before", "ra_before", "der", "detection",
             "wall_s", "epoch_equivalents", "command", "hardware", "toolkit_version"]
 CELL_KEYS = ["dataset", "model", "recipe", "attack", "rate", "target", "all_to_all", "defense", "setting", "seed"]
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock beside `path`, so that parallel experiment scripts sharing one table do not
+    overwrite each other's rows (POSIX; elsewhere, run one script per table at a time)."""
+    if fcntl is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _pct(v) -> str:
@@ -41,8 +63,11 @@ class ResultsTable:
         missing = [k for k in REQUIRED if k not in row]
         if missing:
             raise PBEError(f"result row lacks keys {missing}")
-        self.rows = [r for r in self.rows if self.cell(r) != self.cell(row)] + [row]
-        self.write()
+        with _locked(self.json_path):  # another process may have added rows since we read the file
+            if self.json_path.exists():
+                self.rows = json.loads(self.json_path.read_text())
+            self.rows = [r for r in self.rows if self.cell(r) != self.cell(row)] + [row]
+            self.write()
 
     def write(self) -> None:
         write_json(self.json_path, self.rows)

@@ -57,7 +57,9 @@ def use_all_cpus() -> int:
 def hardware_string() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    return f"{torch.get_num_threads()} CPU cores, torch {torch.__version__.split('+')[0]}"
+    n, cores = torch.get_num_threads(), os.cpu_count() or 1
+    used = f"{n} CPU cores" if n >= cores else f"{n} thread{'s' if n > 1 else ''} on {cores} CPU cores"
+    return f"{used}, torch {torch.__version__.split('+')[0]}"
 
 
 @contextlib.contextmanager

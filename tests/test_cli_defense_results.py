@@ -95,3 +95,22 @@ def test_results_table_finds_cells_replaces_rows_and_renders(tmp_path):
     assert "python make.py" in md and md.count("| badnets |") == 2
     with pytest.raises(PBEError, match="lacks keys"):
         t.add({"dataset": "x"})
+
+
+def _add_rows(path, attack, n):
+    table = ResultsTable(path, "T", "python make.py")  # each process reads the file once, at the start
+    for seed in range(n):
+        table.add(_row(attack=attack, seed=seed))
+
+
+def test_results_table_keeps_rows_of_parallel_writers(tmp_path):
+    import multiprocessing as mp
+    procs = [mp.get_context("spawn").Process(target=_add_rows, args=(tmp_path / "t", f"attack{i}", 10))
+             for i in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    assert all(p.exitcode == 0 for p in procs)
+    rows = json.loads((tmp_path / "t.json").read_text())
+    assert sorted((r["attack"], r["seed"]) for r in rows) == [(f"attack{i}", s) for i in range(3) for s in range(10)]

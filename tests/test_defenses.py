@@ -59,7 +59,7 @@ def test_registry_lists_every_defence_and_rejects_bad_input(clean_extra):
     with pytest.raises(PBEError, match="unknown parameter.*known: .*epochs"):
         defenses.create("ft", epoch=3)
     for name, bad in (("fp", {"once_prune_ratio": 0}), ("strip", {"frr": 0.7}), ("ss", {"percentile": 100}),
-                      ("pbe", {"schedule": "slow"}), ("anp", {"alpha": 2})):
+                      ("pbe", {"schedule": "slow"}), ("pbe", {"lr": 0}), ("anp", {"alpha": 2})):
         with pytest.raises(PBEError, match=name):
             defenses.create(name, **bad)
     empty = ImageDataset(clean_extra.images[:0], clean_extra.labels[:0], clean_extra.classes)
@@ -82,6 +82,13 @@ def test_each_defence_runs_and_keeps_the_architecture(name, badnets_model, clean
     assert rep["epoch_equivalents"] > 0 and rep["wall_s"] >= 0 and 0 <= rep["der"] <= 1
     if defenses.REGISTRY[name].setting == "no-clean" and name != "pbe":
         assert result.suspected is not None and rep["detection"]["flagged"] == len(result.suspected)
+
+
+def test_pbe_lr_overrides_the_schedule_and_changes_the_result(badnets_model, clean_extra, digits):
+    default = _run("pbe", badnets_model, clean_extra, digits).report
+    slow = _run("pbe", badnets_model, clean_extra, digits, lr=1e-3).report
+    assert default["schedule"]["lr"] == 0.01 and slow["schedule"]["lr"] == 1e-3 and slow["params"]["lr"] == 1e-3
+    assert slow["after"] != default["after"]
 
 
 @pytest.mark.parametrize("name", ["ft", "fp", "nad"])

@@ -1,7 +1,7 @@
 """PBE and AFT (``pbe.defense``) behind the common defence interface."""
 from __future__ import annotations
 
-from pbe.defense import SCHEDULES, Schedule, aft, erase
+from pbe.defense import SCHEDULES, Schedule, aft, erase, get_schedule
 from pbe.defenses.base import Context, Defense
 from pbe.utils import PBEError
 
@@ -21,14 +21,18 @@ class _Wrapped(Defense):
 class PBE(_Wrapped):
     name = "pbe"
     setting = "no-clean"
-    defaults = {"schedule": "fast"}  # a name in pbe.defense.SCHEDULES or a Schedule
+    # schedule: a name in pbe.defense.SCHEDULES or a Schedule; lr: None keeps the schedule's
+    defaults = {"schedule": "fast", "lr": None}
 
     def _check(self):
         if not isinstance(self.params["schedule"], Schedule) and self.params["schedule"] not in SCHEDULES:
             raise PBEError(f"pbe: unknown schedule {self.params['schedule']!r}; available: {', '.join(SCHEDULES)}")
+        if self.params["lr"] is not None and not self.params["lr"] > 0:
+            raise PBEError(f"pbe: lr must be positive, got {self.params['lr']!r}")
 
     def _run(self, model, data, ctx):
-        return erase(model, data, self.params["schedule"], seed=ctx.seed, device=ctx.device, progress=ctx.progress,
+        schedule = get_schedule(self.params["schedule"], lr=self.params["lr"])
+        return erase(model, data, schedule, seed=ctx.seed, device=ctx.device, progress=ctx.progress,
                      evaluation=ctx.evaluation)
 
 
