@@ -68,11 +68,14 @@ def matrix_markdown(rows: list[dict]) -> str:
 
 
 def summary_markdown(rows: list[dict]) -> str:
-    """Means per defence over the attacks that every defence in the table has run, so that the
-    means compare like with like; the matrix above shows the rest."""
+    """Means per defence over the attacks that every defence in the table has run (labelled variants
+    aside), so that the means compare like with like; the matrix above shows the rest."""
     defenses = [d for d in ORDER if any(r["defense"] == d for r in rows)]
-    common = [a for a, a2a, _ in CELLS if not a2a
-              and all(any(r["attack"] == a and r["defense"] == d for r in rows) for d in defenses)]
+    common = [a for a, a2a, _ in CELLS if not a2a  # variants (VARIANTS) do not hold the others back
+              and all(any(r["attack"] == a and r["defense"] == d for r in rows) for d in defenses
+                      if d not in VARIANTS)]
+    defenses = [d for d in defenses if all(any(r["attack"] == a and r["defense"] == d for r in rows)
+                                           for a in common)]
     lines = [matrix_markdown(rows), "",
              f"## Mean over the attacks every defence has run ({', '.join(common) or 'none yet'})", "",
              "| defense | setting | ACC % | ASR % | RA % | DER | det. precision % | det. recall % | "
