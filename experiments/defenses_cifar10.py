@@ -22,14 +22,23 @@ from statistics import mean
 from attacks_cifar10 import CELLS
 from common import HERE, ROOT, RUNS, run_cell
 
+from pbe import defenses
 from pbe.results import ResultsTable
 from pbe.utils import toolkit_version
 
 ORDER = ["ft", "fp", "nad", "anp", "ibau", "aft", "pbe", "pbe_lr1e-3", "ac", "ss", "strip"]
-SETTING = {"pbe": "no-clean", "pbe_lr1e-3": "no-clean", "ac": "no-clean", "ss": "no-clean", "strip": "no-clean"}
 # labelled variants: a row name -> (registered defence, parameters). PBE's `fast` schedule fine-tunes at
 # lr 0.01; the authors' code uses 0.001.
 VARIANTS = {"pbe_lr1e-3": ("pbe", {"lr": 0.001})}
+
+
+def registered(defense: str) -> tuple[str, dict]:
+    """The registered defence behind a row name, and the parameters the name fixes."""
+    return VARIANTS.get(defense, (defense, {}))
+
+
+def setting_of(defense: str) -> str:
+    return defenses.REGISTRY[registered(defense)[0]].setting
 
 
 def cpu_budget(defense: str, recipe: str) -> dict:
@@ -39,14 +48,14 @@ def cpu_budget(defense: str, recipe: str) -> dict:
 
 def reference_markdown() -> str:
     ref = json.loads((HERE / "reference" / "backdoorbench_cifar10_preact_pratio0.1.json").read_text())
-    defenses = [d for d in ["none"] + ORDER if any(r["defense"] == d for r in ref["rows"])]
+    columns = [d for d in ["none"] + ORDER if any(r["defense"] == d for r in ref["rows"])]
     lines = ["## For reference only: BackdoorBench's published numbers (not comparable column by column)", "",
              f"Source: {ref['source']}. Setting: {ref['setting']}. {ref['missing']}. ACC / ASR / RA in %.", "",
-             "| attack | " + " | ".join(defenses) + " |", "|---|" + "---|" * len(defenses)]
+             "| attack | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     for attack in dict.fromkeys(r["attack"] for r in ref["rows"]):
         cells = {r["defense"]: f"{r['acc']:.1f} / {r['asr']:.1f} / {r['ra']:.1f}"
                  for r in ref["rows"] if r["attack"] == attack}
-        lines.append(f"| {attack} | " + " | ".join(cells.get(d, "–") for d in defenses) + " |")
+        lines.append(f"| {attack} | " + " | ".join(cells.get(d, "–") for d in columns) + " |")
     return "\n".join(lines)
 
 
@@ -61,7 +70,7 @@ def matrix_markdown(rows: list[dict]) -> str:
     for d in ORDER:
         cells = {r["attack"]: r for r in rows if r["defense"] == d}
         if cells:
-            lines.append(f"| {d} | {SETTING.get(d, 'clean-extra')} | " + " | ".join(
+            lines.append(f"| {d} | {setting_of(d)} | " + " | ".join(
                 f"{100 * cells[a]['acc']:.1f} / {100 * cells[a]['asr']:.1f}" if a in cells else "–"
                 for a in attacks) + " |")
     return "\n".join(lines)
@@ -70,17 +79,16 @@ def matrix_markdown(rows: list[dict]) -> str:
 def summary_markdown(rows: list[dict]) -> str:
     """Means per defence over the attacks that every defence in the table has run (labelled variants
     aside), so that the means compare like with like; the matrix above shows the rest."""
-    defenses = [d for d in ORDER if any(r["defense"] == d for r in rows)]
+    measured = {(r["attack"], r["defense"]) for r in rows}
+    present = [d for d in ORDER if any(m[1] == d for m in measured)]
     common = [a for a, a2a, _ in CELLS if not a2a  # variants (VARIANTS) do not hold the others back
-              and all(any(r["attack"] == a and r["defense"] == d for r in rows) for d in defenses
-                      if d not in VARIANTS)]
-    defenses = [d for d in defenses if all(any(r["attack"] == a and r["defense"] == d for r in rows)
-                                           for a in common)]
+              and all((a, d) in measured for d in present if d not in VARIANTS)]
+    present = [d for d in present if all((a, d) in measured for a in common)]
     lines = [matrix_markdown(rows), "",
              f"## Mean over the attacks every defence has run ({', '.join(common) or 'none yet'})", "",
              "| defense | setting | ACC % | ASR % | RA % | DER | det. precision % | det. recall % | "
              "wall s | epoch-eq. |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for d in defenses if common else []:
+    for d in present if common else []:
         rs = [r for r in rows if r["defense"] == d and r["attack"] in common]
 
         def avg(key, rs=rs):
@@ -136,7 +144,7 @@ def main() -> None:
             continue
         infected = json.loads((ROOT / src / "metrics.json").read_text())
         for defense in args.defenses:
-            setting = SETTING.get(defense, "clean-extra")
+            setting = setting_of(defense)
             cell = dict(dataset="cifar10", model="preact_resnet18(width=16)", recipe=args.recipe, attack=attack,
                         rate=0.1, target=0, all_to_all=False, defense=defense, setting=setting, seed=args.seed)
             if (row := table.find(**cell)) and same_model(row, infected):
@@ -148,10 +156,10 @@ def main() -> None:
                 table.add(row)
                 print(f"{src.name} {defense}: copied from pbe_cifar10.json")
                 continue
-            registered, variant = VARIANTS.get(defense, (defense, {}))
-            params = {**({} if args.paper_budget else cpu_budget(registered, args.recipe)), **variant}
+            name, variant = registered(defense)
+            params = {**({} if args.paper_budget else cpu_budget(name, args.recipe)), **variant}
             out = RUNS / "defenses_cifar10" / f"{src.name}_{defense}"
-            cmd = ["pbe", "defend", "--defense", registered, "--model", str(src), "--dataset", "cifar10",
+            cmd = ["pbe", "defend", "--defense", name, "--model", str(src), "--dataset", "cifar10",
                    "--data-root", args.data_root, "--poison-from", str(src), "--seed", str(args.seed),
                    "--out", str(out), "--no-progress", "--clean-fraction", "0.05"]
             for k, v in params.items():

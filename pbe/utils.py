@@ -40,16 +40,21 @@ def seed_everything(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def use_all_cpus() -> int:
-    """Let torch use every CPU this process may run on (cgroups/affinity aware), unless
-    OMP_NUM_THREADS sets a number (e.g. to share the machine with another run)."""
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        return int(os.environ["OMP_NUM_THREADS"])
+def available_cpus() -> int:
+    """CPUs this process may run on (cgroups/affinity aware)."""
     try:
-        n = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
-        n = os.cpu_count() or 1
+        return os.cpu_count() or 1
+
+
+def use_all_cpus() -> int:
+    """Let torch use every available CPU, unless OMP_NUM_THREADS sets a number (e.g. to share the
+    machine with another run)."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        n = int(os.environ["OMP_NUM_THREADS"])
+    else:
+        n = available_cpus()
     torch.set_num_threads(n)
     return n
 
@@ -57,7 +62,7 @@ def use_all_cpus() -> int:
 def hardware_string() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    n, cores = torch.get_num_threads(), os.cpu_count() or 1
+    n, cores = torch.get_num_threads(), available_cpus()
     used = f"{n} CPU cores" if n >= cores else f"{n} thread{'s' if n > 1 else ''} on {cores} CPU cores"
     return f"{used}, torch {torch.__version__.split('+')[0]}"
 
