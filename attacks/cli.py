@@ -7,7 +7,7 @@ from pbe.utils import parse_params
 def cmd_attack(args) -> dict:
     import attacks
     from pbe.cli import train_and_save
-    from pbe.train import get_recipe
+    from pbe.train import data_fingerprint, get_recipe
     from pbe.utils import write_json
 
     params = parse_params(args.param)
@@ -15,17 +15,20 @@ def cmd_attack(args) -> dict:
     recipe = get_recipe(args.recipe, epochs=args.epochs)
     planted = {}
 
-    def fit(model, train_set, test_set, log):
+    def fit(model, train_set, test_set, log, state):
         planted["set"], _ = attack.plant(model, train_set, test_set, rate=args.rate, recipe=recipe, seed=args.seed,
-                                         device=args.device, log_path=log, progress=not args.no_progress)
-    result = train_and_save(args, recipe, fit, attack, {"attack": {"name": attack.name, **attack.params()},
-                                                       "rate": args.rate})
-    poisoned = planted["set"]
-    attack.save(args.out / "attack")
-    write_json(args.out / "poison.json", {
-        "rate": args.rate, "seed": args.seed, "poison_indices": poisoned.poison_indices.tolist(),
-        "extra_indices": None if poisoned.extra_indices is None else poisoned.extra_indices.tolist()})
-    return result
+                                         device=args.device, log_path=log, state_path=state,
+                                         progress=not args.no_progress)
+
+    def after(model):
+        poisoned = planted["set"]
+        attack.save(args.out / "attack")
+        write_json(args.out / "poison.json", {
+            "rate": args.rate, "seed": args.seed, "poison_indices": poisoned.poison_indices.tolist(),
+            "extra_indices": None if poisoned.extra_indices is None else poisoned.extra_indices.tolist(),
+            "images_sha256": data_fingerprint(poisoned)})
+    return train_and_save(args, recipe, fit, attack, {"attack": {"name": attack.name, **attack.params()},
+                                                      "rate": args.rate}, after)
 
 
 def register(sub, common) -> None:

@@ -14,6 +14,8 @@ input of each pair is a permutation of the same batch instead of a second data l
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -137,7 +139,11 @@ class InputAware(BackdoorAttack):
         gen = seed_everything(seed)
         self.prepare(train_set.image_shape).to(dev)
         batch = get_recipe(recipe, **{k: v for k, v in train_kw.items() if k in ("batch_size",)}).batch_size
-        self._fit_mask(train_set, batch, dev, gen, progress)
+        resuming = train_kw.get("state_path") is not None and Path(train_kw["state_path"]).exists()
+        if resuming:  # the mask network (and the rest of the attack) comes back with the training state
+            self.mask_net.eval().requires_grad_(False)
+        else:
+            self._fit_mask(train_set, batch, dev, gen, progress)
         hook = _JointHook(self, rate, train_set.num_classes, gen)
         history = train(model, train_set, test_set, recipe, seed=seed, device=dev, progress=progress,
                         hook=hook, **train_kw)
@@ -173,6 +179,14 @@ class _JointHook:
 
     def after_step(self):
         self.opt.step()
+
+    def state_dict(self) -> dict:
+        return {"attack": self.a.state_dict(), "optimizer": self.opt.state_dict(), "gen": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.a.load_state_dict(state["attack"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.gen.set_state(state["gen"])
 
 
 __all__ = ["InputAware", "Generator", "PoisonedDataset"]

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from pbe import models
@@ -97,3 +98,66 @@ def load(path: str | Path, device="cpu", architecture: dict | None = None) -> tu
     except RuntimeError as err:
         raise PBEError(f"weights in {path} do not fit {models.describe(model)}: {str(err)[:300]}") from err
     return model.to(device).eval(), meta
+
+
+# ---- nested state (training checkpoints): tensors in safetensors, the rest as JSON in its metadata
+_TENSOR, _TUPLE, _PAIRS, _ARRAY = "__tensor__", "__tuple__", "__pairs__", "__ndarray__"
+
+
+def _encode(obj, tensors: dict, prefix: str):
+    if isinstance(obj, torch.Tensor):
+        tensors[prefix] = obj.detach().cpu().contiguous()
+        return {_TENSOR: prefix}
+    if isinstance(obj, np.ndarray):
+        tensors[prefix] = torch.from_numpy(np.ascontiguousarray(obj))
+        return {_ARRAY: prefix}
+    if isinstance(obj, (list, tuple)):
+        items = [_encode(v, tensors, f"{prefix}.{i}") for i, v in enumerate(obj)]
+        return {_TUPLE: items} if isinstance(obj, tuple) else items
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: _encode(v, tensors, f"{prefix}.{k}") for k, v in obj.items()}
+        return {_PAIRS: [[k, _encode(v, tensors, f"{prefix}.{k}")] for k, v in obj.items()]}
+    if isinstance(obj, (np.integer, np.floating)):
+        return obj.item()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot store {type(obj).__name__} in a state file")
+
+
+def _decode(obj, tensors: dict):
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if _TENSOR in obj:
+            return tensors[obj[_TENSOR]]
+        if _ARRAY in obj:
+            return tensors[obj[_ARRAY]].numpy()
+        if _TUPLE in obj:
+            return tuple(_decode(v, tensors) for v in obj[_TUPLE])
+        if _PAIRS in obj:
+            return {k: _decode(v, tensors) for k, v in obj[_PAIRS]}
+        return {k: _decode(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def save_state(path: str | Path, state: dict) -> None:
+    """Write a nested dict of tensors, arrays, numbers and strings to one safetensors file, atomically
+    (the non-tensor part travels as JSON in the file's metadata): no pickle, one file, one rename."""
+    tensors: dict = {}
+    tree = _encode(state, tensors, "s")
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pbe-state-1", "tree": json.dumps(tree)})
+
+
+def load_state(path: str | Path) -> dict:
+    """Read a file written by ``save_state``."""
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except (SafetensorError, OSError) as err:
+        raise PBEError(f"{path} is not a readable state file: {err}; delete it to start over") from err
+    if meta.get("format") != "pbe-state-1":
+        raise PBEError(f"{path} is not a pbe state file (format {meta.get('format')!r}); delete it to start over")
+    return _decode(json.loads(meta["tree"]), tensors)

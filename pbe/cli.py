@@ -18,6 +18,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="digits",
                    help="cifar10 | mnist | gtsrb | digits | imagefolder:PATH | npz:PATH (default: digits)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--overwrite", action="store_true", help="replace another run found in --out")
 
 
 def _load_both(args):
@@ -33,9 +34,33 @@ def build_model(recipe, train_set, dataset_name: str, seed: int):
                          dataset=dataset_name, seed=seed, width=recipe.width)
 
 
-def train_and_save(args, recipe, fit, attack=None, extra_meta: dict | None = None) -> dict:
+TRAIN_STATE = "train_state.safetensors"  # resumable training state inside --out, removed when the run ends
+
+
+def _finished_or_resumable(out: Path, run: dict, overwrite: bool) -> dict | None:
+    """The stored metrics when `out` holds this very run, finished; None when it is empty or holds this
+    run unfinished (training resumes). Another run in `out` is refused unless `overwrite`."""
+    import shutil
+
+    from pbe import checkpoint
+    side, metrics_file = out / "model.json", out / "metrics.json"
+    if side.exists() and metrics_file.exists():
+        if checkpoint.read_meta(side).get("run") == run:
+            return json.loads(metrics_file.read_text())
+    elif (out / TRAIN_STATE).exists() or not out.exists() or not any(out.iterdir()):
+        return None  # a state of another run is refused by train() itself, unless overwritten below
+    if not overwrite:
+        raise PBEError(f"{out} holds another run (other command, data, recipe, seed or attack); "
+                       "choose another --out, or pass --overwrite to replace it")
+    shutil.rmtree(out)
+    return None
+
+
+def train_and_save(args, recipe, fit, attack=None, extra_meta: dict | None = None, after=None) -> dict:
     """Shared by ``pbe train`` and ``pbe attack``: load data, build the model, ``fit(model, train_set,
-    test_set, log_path)``, evaluate (with the attack, if any), and save model, sidecar and metrics."""
+    test_set, log_path, state_path)``, evaluate (with the attack, if any), save model and sidecar,
+    ``after(model)`` (extra files), and metrics.json last. Rerunning the same command resumes an
+    interrupted run from its last finished epoch and returns a finished one's metrics untouched."""
     from dataclasses import asdict
 
     from pbe import checkpoint, metrics
@@ -43,19 +68,31 @@ def train_and_save(args, recipe, fit, attack=None, extra_meta: dict | None = Non
 
     if args.out is None:
         raise PBEError(f"pbe {args.command} needs --out DIR for the model and its metrics")
+    run = {"command": args.command, "dataset": args.dataset, "seed": args.seed, "recipe_fields": asdict(recipe),
+           **json.loads(json.dumps(extra_meta or {}))}
+    if getattr(args, "overwrite", False) and (args.out / TRAIN_STATE).exists():
+        (args.out / TRAIN_STATE).unlink()
+    done = _finished_or_resumable(args.out, run, getattr(args, "overwrite", False))
+    if done is not None:
+        print(f"{args.out} already holds this finished run; nothing to do", file=sys.stderr)
+        print(json.dumps(done))
+        return done
     train_set, test_set = _load_both(args)
     model = build_model(recipe, train_set, args.dataset, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
-    log = args.out / "train_log.jsonl"
-    log.unlink(missing_ok=True)
     start = time.time()
-    fit(model, train_set, test_set, log)
-    result = {**metrics.evaluate(model, test_set, attack), "wall_s": round(time.time() - start, 1),
+    fit(model, train_set, test_set, args.out / "train_log.jsonl", args.out / TRAIN_STATE)
+    history = [json.loads(line) for line in (args.out / "train_log.jsonl").read_text().splitlines()]
+    wall = history[-1]["elapsed_s"] if history else round(time.time() - start, 1)
+    result = {**metrics.evaluate(model, test_set, attack), "wall_s": wall,
               "hardware": hardware_string(), "command": " ".join(["pbe"] + sys.argv[1:])}
     meta = {"dataset": args.dataset, "classes": train_set.classes, "seed": args.seed, "recipe": args.recipe,
-            "recipe_fields": asdict(recipe), **(extra_meta or {}), "metrics": result}
+            "recipe_fields": asdict(recipe), **(extra_meta or {}), "run": run, "metrics": result}
     checkpoint.save(model, args.out / "model", meta)
+    if after is not None:
+        after(model)
     write_json(args.out / "metrics.json", result)
+    (args.out / TRAIN_STATE).unlink(missing_ok=True)
     print(json.dumps(result))
     return result
 
@@ -65,9 +102,9 @@ def cmd_train(args) -> dict:
 
     recipe = get_recipe(args.recipe, epochs=args.epochs, model=args.model, width=args.width)
 
-    def fit(model, train_set, test_set, log):
+    def fit(model, train_set, test_set, log, state):
         train(model, train_set, test_set, recipe, seed=args.seed, device=args.device, log_path=log,
-              progress=not args.no_progress)
+              state_path=state, progress=not args.no_progress)
     return train_and_save(args, recipe, fit)
 
 
@@ -138,7 +175,7 @@ def parser() -> argparse.ArgumentParser:
 def _extensions():
     """Subcommands contributed by other modules (attacks, defences)."""
     found = []
-    for mod in ("attacks.cli", "pbe.defense_cli"):
+    for mod in ("attacks.cli", "pbe.defense_cli", "pbe.zoo"):
         try:
             found.append(__import__(mod, fromlist=["register"]).register)
         except ModuleNotFoundError as err:

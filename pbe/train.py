@@ -5,13 +5,16 @@ schedule, writes one JSON line of metrics per epoch, and shows a tqdm progress b
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,7 +22,8 @@ from tqdm.auto import tqdm
 
 from pbe.data import ImageDataset, augment
 from pbe.metrics import accuracy, predict
-from pbe.utils import PBEError, resolve_device, seed_everything, use_all_cpus
+from pbe.checkpoint import load_state, save_state
+from pbe.utils import PBEError, atomic_path, resolve_device, seed_everything, use_all_cpus
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,34 @@ class TrainHook(Protocol):
     def after_step(self) -> None:
         """Called after the classifier's optimiser step."""
 
+    # Optional, for resumable training: ``state_dict() -> dict`` and ``load_state_dict(dict)`` carry
+    # the hook's own tensors, optimiser and random-generator state across a restart.
+
+
+def data_fingerprint(dataset: ImageDataset) -> str:
+    """sha256 of a dataset's images and labels (which run a training state belongs to)."""
+    h = hashlib.sha256()
+    h.update(dataset.images.numpy().tobytes())
+    h.update(dataset.labels.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _rng_state(gen: torch.Generator) -> dict:
+    state = {"gen": gen.get_state(), "torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(gen: torch.Generator, state: dict) -> None:
+    gen.set_state(state["gen"])
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
 
 def lr_at(step: int, total: int, recipe: Recipe) -> float:
     """Learning rate at a step: linear warm-up then linear decay (onecycle), or cosine."""
@@ -104,11 +136,17 @@ def batches(n: int, batch_size: int, generator: torch.Generator, shuffle: bool =
 def train(model: nn.Module, train_set: ImageDataset, test_set: ImageDataset | None = None,
           recipe: str | Recipe = "cpu", *, seed: int = 0, device="auto", log_path=None,
           progress: bool = True, hook: TrainHook | None = None, eval_subset: int = 2000,
-          **overrides) -> list[dict]:
-    """Train `model` in place; return per-epoch metrics (also appended to `log_path` as JSON lines).
+          state_path=None, **overrides) -> list[dict]:
+    """Train `model` in place; return per-epoch metrics (also written to `log_path` as JSON lines).
 
     Test accuracy is measured each epoch on a fixed subset of `eval_subset` test images (cheap) and on
     the full test set after the last epoch (`test_acc`).
+
+    With `state_path` (a ``.safetensors`` file) the whole training state (weights, optimiser, step,
+    random generators, hook state, history) is written atomically after every epoch, and a run that
+    finds a state of the same run there resumes after its last finished epoch, ending with the same
+    weights bit for bit as an uninterrupted run (same machine and thread count). A state of another
+    run (other recipe, seed or data) is an error.
     """
     recipe = get_recipe(recipe, **overrides)
     if len(train_set) == 0:
@@ -126,9 +164,16 @@ def train(model: nn.Module, train_set: ImageDataset, test_set: ImageDataset | No
     if test_set is not None:
         eval_idx = torch.randperm(len(test_set), generator=torch.Generator().manual_seed(seed))[:eval_subset]
     log = Path(log_path) if log_path else None
-    history, step, start = [], 0, time.time()
-    bar = tqdm(total=total, disable=not progress, desc="train", unit="batch", leave=False)
-    for epoch in range(recipe.epochs):
+    history, step, start, first = [], 0, time.time(), 0
+    run = None
+    if state_path is not None:
+        state_path = Path(state_path)
+        run = {"recipe": asdict(recipe), "seed": int(seed), "data": data_fingerprint(train_set)}
+        if state_path.exists():
+            first, step, history, elapsed = _resume(state_path, run, model, opt, gen, hook)
+            start -= elapsed
+    bar = tqdm(total=total, initial=step, disable=not progress, desc="train", unit="batch", leave=False)
+    for epoch in range(first, recipe.epochs):
         model.train()
         loss_sum = torch.zeros((), device=dev)  # summed on the device: no sync per batch
         correct = torch.zeros((), dtype=torch.long, device=dev)
@@ -164,13 +209,36 @@ def train(model: nn.Module, train_set: ImageDataset, test_set: ImageDataset | No
             pred = predict(model, test_set.images[sub], device=dev)
             row["test_acc" if last else "test_acc_subset"] = accuracy(pred, test_set.labels[sub])
         history.append(row)
+        if state_path is not None:
+            _checkpoint(state_path, run, model, opt, gen, hook, epoch + 1, step, history, time.time() - start)
         if log is not None:
-            log.parent.mkdir(parents=True, exist_ok=True)
-            with open(log, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+            with atomic_path(log) as tmp:
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in history))
         if progress:
             bar.write(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     bar.close()
     model.eval()
     return history
+
+
+def _checkpoint(path: Path, run: dict, model, opt, gen, hook, epoch: int, step: int, history: list,
+                elapsed: float) -> None:
+    state = {"run": run, "epoch": epoch, "step": step, "history": history, "elapsed_s": elapsed,
+             "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": _rng_state(gen)}
+    if hook is not None and hasattr(hook, "state_dict"):
+        state["hook"] = hook.state_dict()
+    save_state(path, state)
+
+
+def _resume(path: Path, run: dict, model, opt, gen, hook) -> tuple[int, int, list, float]:
+    state = load_state(path)
+    if state.get("run") != json.loads(json.dumps(run)):
+        raise PBEError(f"{path} holds the training state of another run (other recipe, seed or data); "
+                       "delete it, or use another output folder")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    _set_rng_state(gen, state["rng"])
+    if hook is not None and hasattr(hook, "load_state_dict"):
+        hook.load_state_dict(state["hook"])
+    return state["epoch"], state["step"], state["history"], state["elapsed_s"]
 

@@ -1,0 +1,325 @@
+"""The model zoo: committed clean and infected models that every measurement starts from.
+
+``available()`` lists the entries of ``experiments/zoo/zoo.yaml``; ``load("cifar10/badnets")`` returns
+the model (its weights checked against the committed sha256), the attack, the poisoned training set
+(rebuilt exactly from the attack state and poison indices, and checked against the stored checksum
+of its images) and the test set; ``build(name)`` trains a missing entry (resumably, through
+``pbe attack`` / ``pbe train``) and says whether the rebuilt weights reproduce the committed ones.
+
+Each entry lives in ``experiments/zoo/<name>/``: ``model.safetensors`` + ``model.json``,
+``attack.safetensors`` + ``attack.json`` and ``poison.json`` (infected models), ``train_log.jsonl``
+and ``row.json`` (its row in the shape of RESULTS.md, with ``zoo`` and ``zoo_set``). All rows are
+collected in ``experiments/zoo/zoo.json`` and rendered to ``experiments/zoo/README.md``.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.nn as nn
+
+from pbe.data import ImageDataset
+from pbe.utils import PBEError, atomic_path, toolkit_version, write_json
+
+REPO = Path(__file__).resolve().parent.parent
+SETS = ("dev", "generalisation")
+ENTRY_FILES = ("model.safetensors", "model.json", "train_log.jsonl")
+ATTACK_FILES = ("attack.safetensors", "attack.json", "poison.json")
+DATA_DIRS = {"cifar10": "cifar10", "gtsrb": "gtsrb", "mnist": "mnist"}
+
+
+def root() -> Path:
+    """The zoo folder: ``$PBE_ZOO`` or ``experiments/zoo`` of this checkout."""
+    return Path(os.environ.get("PBE_ZOO", REPO / "experiments" / "zoo"))
+
+
+def default_data_root(dataset: str) -> Path | None:
+    """``$PBE_DATA/<dataset>`` or the offline copy beside the checkout (``../shared/data``)."""
+    if dataset not in DATA_DIRS:
+        return None
+    base = Path(os.environ.get("PBE_DATA", REPO.parent / "shared" / "data"))
+    return base / DATA_DIRS[dataset]
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    set: str
+    dataset: str
+    attack: str
+    recipe: str
+    rate: float
+    target: int | None
+    all_to_all: bool
+    seed: int
+    params: dict = field(default_factory=dict)
+    model: str | None = None
+    width: int | None = None
+
+    @property
+    def folder(self) -> Path:
+        return root() / self.name
+
+    @property
+    def infected(self) -> bool:
+        return self.attack != "none"
+
+    def command(self, out: Path, data_root: Path | None) -> list[str]:
+        """The ``pbe`` command that trains this entry into `out`."""
+        cmd = ["pbe", "attack", "--attack", self.attack] if self.infected else ["pbe", "train"]
+        cmd += ["--dataset", self.dataset, "--recipe", self.recipe, "--seed", str(self.seed)]
+        if data_root is not None:
+            cmd += ["--data-root", str(data_root)]
+        if self.model:
+            cmd += ["--model", self.model]
+        if self.width:
+            cmd += ["--width", str(self.width)]
+        if self.infected:
+            cmd += ["--rate", str(self.rate)]
+            cmd += ["--all-to-all"] if self.all_to_all else ["--target", str(self.target)]
+            for k, v in sorted(self.params.items()):
+                cmd += ["--param", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
+        return cmd + ["--out", str(out), "--no-progress"]
+
+
+def entries() -> dict[str, Entry]:
+    """Every entry of ``zoo.yaml``, by name."""
+    import yaml
+    path = root() / "zoo.yaml"
+    if not path.exists():
+        raise PBEError(f"zoo config {path} not found; set PBE_ZOO to the folder holding zoo.yaml")
+    doc = yaml.safe_load(path.read_text()) or {}
+    defaults, found = doc.get("defaults", {}), {}
+    for raw in doc.get("models", []):
+        spec = {**defaults, **raw}
+        if spec.get("set") not in SETS:
+            raise PBEError(f"{path}: entry {spec.get('name')!r} has set {spec.get('set')!r}; use one of {SETS}")
+        try:
+            entry = Entry(**spec)
+        except TypeError as err:
+            raise PBEError(f"{path}: bad entry {raw}: {err}") from err
+        if entry.name in found:
+            raise PBEError(f"{path}: entry {entry.name!r} is listed twice")
+        found[entry.name] = entry
+    return found
+
+
+def available(zoo_set: str | None = None) -> list[str]:
+    """Names of the zoo's entries (of one set, if given), in the order of ``zoo.yaml``."""
+    return [n for n, e in entries().items() if zoo_set in (None, e.set)]
+
+
+def get(name: str) -> Entry:
+    found = entries()
+    if name not in found:
+        near = difflib.get_close_matches(name, list(found), n=3)
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        raise PBEError(f"unknown zoo entry {name!r}{hint}; available: {', '.join(found)}")
+    return found[name]
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def row(name: str) -> dict | None:
+    """The committed row of an entry, or None when it is not built yet."""
+    path = get(name).folder / "row.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def is_built(name: str) -> bool:
+    entry = get(name)
+    files = ENTRY_FILES + (ATTACK_FILES if entry.infected else ())
+    return (entry.folder / "row.json").exists() and all((entry.folder / f).exists() for f in files)
+
+
+@dataclass
+class ZooModel:
+    """What ``load`` returns: everything a defence experiment starts from."""
+
+    name: str
+    model: nn.Module
+    attack: object | None  # attacks.BackdoorAttack, or None for a clean model
+    train_set: ImageDataset  # the poisoned training set (the clean one for a clean model)
+    test_set: ImageDataset
+    row: dict
+
+    @property
+    def zoo_keys(self) -> dict:
+        return {"zoo": self.row["zoo"], "zoo_set": self.row["zoo_set"]}
+
+
+def load(name: str, data_root: str | Path | None = None, device="cpu") -> ZooModel:
+    """Model, attack, poisoned training set and test set of a built entry, all checked."""
+    from pbe import checkpoint, data
+    entry = get(name)
+    if not is_built(name):
+        raise PBEError(f"zoo entry {name!r} is not built; run `pbe zoo build {name}`")
+    stored = row(name)
+    weights = entry.folder / "model.safetensors"
+    if sha256(weights) != stored["sha256"]:
+        raise PBEError(f"{weights} does not match its committed sha256; restore it with `git checkout -- "
+                       f"{weights}` or rebuild it with `pbe zoo build {name} --force`")
+    data_root = Path(data_root) if data_root is not None else default_data_root(entry.dataset)
+    if data_root is not None and not data_root.exists():
+        raise PBEError(f"data root {data_root} of {entry.dataset} not found; pass data_root= (CLI: --data-root) "
+                       "or set PBE_DATA to the folder holding it")
+    model, _ = checkpoint.load(weights, device=device)
+    train_set = data.load(entry.dataset, data_root, "train")
+    test_set = data.load(entry.dataset, data_root, "test")
+    attack = None
+    if entry.infected:
+        import attacks
+        from pbe.train import data_fingerprint
+        attack = attacks.load(entry.folder / "attack")
+        info = json.loads((entry.folder / "poison.json").read_text())
+        train_set = attack.poison(train_set, info["rate"], info["seed"])
+        if train_set.poison_indices.tolist() != info["poison_indices"] or \
+                data_fingerprint(train_set) != info["images_sha256"]:
+            raise PBEError(f"the poisoned training set rebuilt for {name!r} differs from the one it was trained on "
+                           f"(poison indices or image checksum); is {data_root} the dataset it was built from?")
+    return ZooModel(name, model, attack, train_set, test_set, stored)
+
+
+def _zoo_row(entry: Entry, out: Path, metrics: dict) -> dict:
+    from pbe import checkpoint
+    meta = checkpoint.read_meta(out / "model")
+    arch = dict(meta["architecture"])
+    arch_name = arch.pop("name")
+    args = ", ".join(f"{k}={v}" for k, v in sorted(arch.items()) if k in ("width",))
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    return {
+        "dataset": entry.dataset, "model": f"{arch_name}({args})", "recipe": entry.recipe, "attack": entry.attack,
+        "rate": entry.rate if entry.infected else 0.0, "target": entry.target if entry.infected else None,
+        "all_to_all": entry.all_to_all, "defense": "none", "setting": None, "seed": entry.seed,
+        "acc": metrics["acc"], "asr": metrics["asr"], "ra": metrics["ra"], "acc_before": None, "asr_before": None,
+        "ra_before": None, "der": None, "detection": None, "wall_s": metrics["wall_s"],
+        "epoch_equivalents": float(meta["recipe_fields"]["epochs"]), "command": metrics["command"],
+        "hardware": metrics["hardware"], "toolkit_version": toolkit_version(), "zoo": entry.name,
+        "zoo_set": entry.set, "params": entry.params, "sha256": sha256(out / "model.safetensors"),
+        "train_log": log,
+    }
+
+
+def build(name: str, data_root: str | Path | None = None, runs: str | Path = "runs/zoo",
+          force: bool = False) -> dict:
+    """Train `name` (resuming an interrupted run in `runs`), copy it into the zoo and return its row.
+
+    A built entry is not retrained unless `force`; then the rebuilt weights are compared with the
+    committed sha256 and the result is said (``row["reproduces"]``).
+    """
+    entry = get(name)
+    previous = row(name) if is_built(name) else None
+    if previous and not force:
+        print(f"{name}: built (acc {previous['acc']:.4f}, asr {previous['asr'] if previous['asr'] is None else round(previous['asr'], 4)}); "
+              "skipped", flush=True)
+        return previous
+    data_root = Path(data_root) if data_root is not None else default_data_root(entry.dataset)
+    if data_root is not None:
+        data_root = Path(os.path.relpath(data_root))  # a command that reads well in the row
+    out = Path(runs) / entry.name
+    cmd = entry.command(out, data_root)
+    print("$", shlex.join(cmd), flush=True)
+    proc = subprocess.run([sys.executable, "-m", "pbe.cli", *cmd[1:]], cwd=Path.cwd())
+    if proc.returncode != 0:
+        raise PBEError(f"training {name!r} failed (exit {proc.returncode}); rerun `pbe zoo build {name}` to resume")
+    metrics = json.loads((out / "metrics.json").read_text())
+    new = _zoo_row(entry, out, metrics)
+    if previous is not None:
+        new["reproduces"] = new["sha256"] == previous["sha256"]
+        print(f"{name}: rebuilt weights {'reproduce' if new['reproduces'] else 'DIFFER FROM'} the committed "
+              f"sha256 {previous['sha256'][:12]}", flush=True)
+        if not new["reproduces"]:
+            return new  # the committed entry stays; the rebuild is left in `runs` for inspection
+    _install(entry, out, new)
+    print(f"{name}: acc {new['acc']:.4f} asr {new['asr']} wall {new['wall_s']:.0f}s", flush=True)
+    return new
+
+
+def _install(entry: Entry, out: Path, new: dict) -> None:
+    """Copy a finished run into its zoo folder (files first, row.json last) and re-render the index."""
+    dest = entry.folder
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in ENTRY_FILES + (ATTACK_FILES if entry.infected else ()):
+        with atomic_path(dest / f) as tmp:
+            shutil.copyfile(out / f, tmp)
+    write_json(dest / "row.json", {k: v for k, v in new.items() if k != "reproduces"})
+    render()
+
+
+def render() -> None:
+    """Collect every row into ``zoo.json`` and render ``README.md``."""
+    rows = [row(n) for n in available() if is_built(n)]
+    write_json(root() / "zoo.json", [{k: v for k, v in r.items() if k != "train_log"} for r in rows])
+    pct = lambda v: "–" if v is None else f"{100 * v:.2f}"  # noqa: E731
+    lines = ["# Model zoo", "",
+             "Regenerate: `pbe zoo build --all` (trains only what is missing; rows in `zoo.json`, one folder per "
+             "model). Load one with `pbe.zoo.load(\"cifar10/badnets\")`. Tune defences on `dev` models only.", "",
+             "| zoo | set | model | attack | params | rate | target | ACC % | ASR % | RA % | wall s | hardware | sha256 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        target = "all-to-all" if r["all_to_all"] else ("–" if r["target"] is None else r["target"])
+        params = ", ".join(f"{k}={v}" for k, v in sorted(r.get("params", {}).items())) or "–"
+        lines.append(f"| {r['zoo']} | {r['zoo_set']} | {r['model']} | {r['attack']} | {params} | {r['rate']} | "
+                     f"{target} | {pct(r['acc'])} | {pct(r['asr'])} | {pct(r['ra'])} | {r['wall_s']:.0f} | "
+                     f"{r['hardware']} | `{r['sha256'][:12]}` |")
+    pending = [n for n in available() if not is_built(n)]
+    if pending:
+        lines += ["", "Not built yet: " + ", ".join(pending) + "."]
+    lines += ["", "Commands (seed and data are in each command; data from `../shared/data`):", ""]
+    lines += [f"- `{r['zoo']}`: `{r['command']}`" for r in rows]
+    with atomic_path(root() / "README.md") as tmp:
+        tmp.write_text("\n".join(lines) + "\n")
+
+
+def register(sub, common) -> None:
+    """``pbe zoo list`` and ``pbe zoo build NAME... | --all [--set dev]``."""
+    p = sub.add_parser("zoo", help="list, build or check the committed model zoo")
+    zsub = p.add_subparsers(dest="zoo_command", required=True)
+    q = zsub.add_parser("list", help="the zoo's entries and whether each is built")
+    q.add_argument("--set", choices=SETS, dest="zoo_set")
+    q.set_defaults(func=_cmd_list)
+    q = zsub.add_parser("build", help="train missing entries (resumable) and copy them into the zoo")
+    q.add_argument("names", nargs="*", help="entry names (see `pbe zoo list`)")
+    q.add_argument("--all", action="store_true", help="every entry (of --set, if given)")
+    q.add_argument("--set", choices=SETS, dest="zoo_set")
+    q.add_argument("--data-root", type=Path, help="dataset folder (default: ../shared/data/<dataset>)")
+    q.add_argument("--runs", type=Path, default=Path("runs/zoo"), help="work folder (default: runs/zoo)")
+    q.add_argument("--force", action="store_true", help="retrain a built entry and compare its checksum")
+    q.set_defaults(func=_cmd_build)
+
+
+def _cmd_list(args) -> list[str]:
+    names = available(args.zoo_set)
+    for n in names:
+        r = row(n) if is_built(n) else None
+        state = "not built" if r is None else f"acc {100 * r['acc']:.2f}" + (
+            "" if r["asr"] is None else f" asr {100 * r['asr']:.2f}")
+        print(f"{n:32s} {get(n).set:15s} {state}")
+    return names
+
+
+def _cmd_build(args) -> list[dict]:
+    names = args.names or []
+    if args.all:
+        names = available(args.zoo_set)
+    elif args.zoo_set and not names:
+        raise PBEError("pass entry names or --all (with --set to build one set)")
+    if not names:
+        raise PBEError("name the entries to build, or pass --all; see `pbe zoo list`")
+    for n in names:
+        get(n)  # every name checked before any training starts
+    return [build(n, args.data_root, args.runs, args.force) for n in names]
