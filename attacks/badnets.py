@@ -7,13 +7,14 @@ from attacks.base import BackdoorAttack
 from pbe.utils import PBEError
 
 CORNERS = ("bottom-right", "bottom-left", "top-right", "top-left")
+PATTERNS = ("checkerboard", "white", "random")
 
 
 class BadNets(BackdoorAttack):
     """Patch of `size` x `size` pixels, `margin` pixels from `corner`.
 
-    pattern: "checkerboard" (black/white, the PBE paper's 3x3 default), "white", or a tensor
-    (size, size) / (C, size, size) in [0, 1].
+    pattern: "checkerboard" (black/white, the PBE paper's 3x3 default), "white", "random" (a seeded
+    random colour per pixel and channel), or a tensor (size, size) / (C, size, size) in [0, 1].
     """
 
     name = "badnets"
@@ -28,8 +29,8 @@ class BadNets(BackdoorAttack):
         self.size, self.corner, self.margin = int(size), corner, int(margin)
         self.pattern_spec = pattern if isinstance(pattern, str) else "custom"
         self._custom = None if isinstance(pattern, str) else torch.as_tensor(pattern, dtype=torch.float32)
-        if self.pattern_spec not in ("checkerboard", "white", "custom"):
-            raise PBEError(f"pattern must be 'checkerboard', 'white' or a tensor, got {pattern!r}")
+        if self.pattern_spec not in PATTERNS + ("custom",):
+            raise PBEError(f"pattern must be one of {PATTERNS} or a tensor, got {pattern!r}")
 
     def params(self):
         return {**super().params(), "size": self.size, "pattern": self.pattern_spec, "corner": self.corner,
@@ -45,6 +46,8 @@ class BadNets(BackdoorAttack):
             patch = ((ij[:, None] + ij[None, :]) % 2 == 0).float().expand(c, s, s)
         elif self.pattern_spec == "white":
             patch = torch.ones(c, s, s)
+        elif self.pattern_spec == "random":
+            patch = torch.rand(c, s, s, generator=generator)
         else:
             patch = self._custom.expand(c, s, s) if self._custom is not None else torch.zeros(c, s, s)
         self.register_buffer("patch", patch.clone())

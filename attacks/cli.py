@@ -12,7 +12,7 @@ def cmd_attack(args) -> dict:
 
     params = parse_params(args.param)
     attack = attacks.create(args.attack, target=args.target, all_to_all=args.all_to_all, seed=args.seed, **params)
-    recipe = get_recipe(args.recipe, epochs=args.epochs)
+    recipe = get_recipe(args.recipe, epochs=args.epochs, model=args.model, width=args.width)
     planted = {}
 
     def fit(model, train_set, test_set, log, state):
@@ -39,6 +39,8 @@ def register(sub, common) -> None:
     p.add_argument("--attack", required=True, choices=attacks.available())
     p.add_argument("--recipe", default="tiny", choices=sorted(RECIPES))
     p.add_argument("--epochs", type=int, help="override the recipe's epochs")
+    p.add_argument("--model", help="override the recipe's model (see pbe.models.available())")
+    p.add_argument("--width", type=int, help="override the recipe's model width")
     p.add_argument("--rate", type=float, default=0.1, help="poison rate (default 0.1)")
     p.add_argument("--target", type=int, default=0, help="target label for all-to-one (default 0)")
     p.add_argument("--all-to-all", action="store_true", help="y -> (y + 1) mod C instead of all-to-one")

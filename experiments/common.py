@@ -1,17 +1,61 @@
-"""Shared by the experiment scripts: run one CLI cell, read what it wrote, build a results row."""
+"""Shared by the experiment scripts: zoo models to start from, one CLI cell, and results rows."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 from pathlib import Path
 
-from pbe.checkpoint import read_meta
+from pbe import zoo
 from pbe.utils import toolkit_version
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RUNS = Path("runs")  # relative to the repository root, where every cell's command runs
+
+
+def zoo_models(zoo_set: str = "dev", dataset: str = "cifar10", only: list[str] | None = None,
+               infected: bool = True) -> list[zoo.Entry]:
+    """Zoo entries of one set and dataset (infected ones only by default), as `only` names them: a
+    zoo name (``cifar10/badnets``), its last part (``badnets``) or an attack (``blend``)."""
+    found = []
+    for name in zoo.available(zoo_set):
+        e = zoo.get(name)
+        if e.dataset != dataset or (infected and not e.infected):
+            continue
+        if only and not {name, name.split("/")[-1], e.attack} & set(only):
+            continue
+        found.append(e)
+    return found
+
+
+def zoo_source(entry: zoo.Entry) -> Path | None:
+    """The committed zoo folder of an entry, relative to the repository root; None when not built
+    (said on the console, so that a run before the zoo is complete does what it can)."""
+    if not zoo.is_built(entry.name):
+        print(f"skip {entry.name}: not in the zoo yet (pbe zoo build {entry.name})", flush=True)
+        return None
+    return entry.folder.resolve().relative_to(ROOT)
+
+
+def data_args(entry: zoo.Entry) -> list[str]:
+    """``--dataset NAME --data-root PATH`` of an entry (path relative to the repository root)."""
+    root = zoo.default_data_root(entry.dataset)
+    return ["--dataset", entry.dataset] + ([] if root is None else ["--data-root", os.path.relpath(root, ROOT)])
+
+
+def zoo_cell(entry: zoo.Entry, defense: str, setting: str | None, seed: int, **extra) -> dict:
+    """The cell keys of a defence run on a zoo model (RESULTS.md keys plus zoo, zoo_set)."""
+    r = zoo.row(entry.name)
+    return dict(dataset=r["dataset"], model=r["model"], recipe=r["recipe"], attack=r["attack"], rate=r["rate"],
+                target=r["target"], all_to_all=r["all_to_all"], defense=defense, setting=setting, seed=seed,
+                zoo=entry.name, zoo_set=entry.set, **extra)
+
+
+def same_zoo_model(row: dict | None, entry: zoo.Entry) -> bool:
+    """Whether a stored row was measured on the zoo model now committed (its weights' sha256)."""
+    return bool(row) and row.get("zoo_sha256") == zoo.row(entry.name)["sha256"]
 
 
 def run_cell(cmd: list[str], out: Path) -> dict:
@@ -22,7 +66,8 @@ def run_cell(cmd: list[str], out: Path) -> dict:
 
 
 def trained_row(cell: dict, m: dict, out: Path) -> dict:
-    """A RESULTS.md row for a trained (clean or infected) model: no defence, no 'before'."""
+    """A RESULTS.md row for a model trained outside the zoo: no defence, no 'before'."""
+    from pbe.checkpoint import read_meta
     log = ROOT / out / "train_log.jsonl"
     epochs = read_meta(ROOT / out / "model").get("recipe_fields", {}).get("epochs")
     return {**cell, "acc": m["acc"], "asr": m["asr"], "ra": m["ra"], "acc_before": None, "asr_before": None,
@@ -30,3 +75,13 @@ def trained_row(cell: dict, m: dict, out: Path) -> dict:
             "epoch_equivalents": float(epochs) if epochs else None, "command": m["command"],
             "hardware": m["hardware"], "toolkit_version": toolkit_version(),
             "train_log": [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []}
+
+
+def defence_row(cell: dict, command: str, report: dict, entry: zoo.Entry, **extra) -> dict:
+    """A RESULTS.md row from a defence report (``report.json`` of ``pbe erase`` / ``pbe defend``)."""
+    b, a = report["before"], report["after"]
+    return {**cell, "acc": a["acc"], "asr": a["asr"], "ra": a["ra"], "acc_before": b["acc"],
+            "asr_before": b["asr"], "ra_before": b["ra"], "der": report.get("der"),
+            "detection": report.get("detection"), "wall_s": report["wall_s"],
+            "epoch_equivalents": report["epoch_equivalents"], "command": command, "hardware": report["hardware"],
+            "toolkit_version": toolkit_version(), "zoo_sha256": zoo.row(entry.name)["sha256"], **extra}

@@ -1,9 +1,9 @@
-"""Every defence side by side on the infected CIFAR-10 models of experiments/attacks_cifar10.py
+"""Every defence side by side on the infected CIFAR-10 zoo models (dev set by default)
 -> experiments/results/defenses_cifar10.{json,md}. Resumable: cells with a row measured on the
-infected model now on disk are skipped (rows of an earlier build of that model are rerun); an
-infected model that does not exist yet is reported and skipped.
+committed zoo model (its sha256) are skipped; a zoo model not built yet is reported and skipped.
+Rows made before the zoo existed (4-epoch `quick` models, no "zoo" key) stay in the table.
 
-    python experiments/defenses_cifar10.py [--recipe cpu] [--only badnets blend] [--defenses ft nad]
+    python experiments/defenses_cifar10.py [--set dev] [--only badnets blend] [--defenses ft nad]
 
 CPU budget. The defaults of each defence are its paper's / BackdoorBench's (100 fine-tuning epochs,
 2,000 ANP iterations, 100 STRIP overlays), sized for GPUs. On 2 CPU cores this script gives the
@@ -19,12 +19,12 @@ import argparse
 import json
 from statistics import mean
 
-from attacks_cifar10 import CELLS
-from common import HERE, ROOT, RUNS, run_cell
+from common import HERE, ROOT, RUNS, data_args, defence_row, run_cell, same_zoo_model, zoo_cell, zoo_models, zoo_source
 
 from pbe import defenses
 from pbe.results import ResultsTable
-from pbe.utils import toolkit_version
+
+ATTACKS = ["badnets", "blend", "sig", "wanet", "input_aware"]  # column order of the summary
 
 ORDER = ["ft", "fp", "nad", "anp", "ibau", "aft", "pbe", "pbe_lr1e-3", "ac", "ss", "strip"]
 # labelled variants: a row name -> (registered defence, parameters). PBE's `fast` schedule fine-tunes at
@@ -61,7 +61,7 @@ def reference_markdown() -> str:
 
 def matrix_markdown(rows: list[dict]) -> str:
     """ACC / ASR after each defence (rows) on each infected model (columns): the at-a-glance view."""
-    attacks = [a for a, a2a, _ in CELLS if not a2a and any(r["attack"] == a for r in rows)]
+    attacks = [a for a in ATTACKS if any(r["attack"] == a for r in rows)]
     lines = ["## ACC / ASR (%) after each defence, per attack", "",
              "| defense | setting | " + " | ".join(attacks) + " |", "|---|---|" + "---|" * len(attacks)]
     last = {a: [r for r in rows if r["attack"] == a][-1] for a in attacks}  # the newest build of the model
@@ -81,8 +81,8 @@ def summary_markdown(rows: list[dict]) -> str:
     aside), so that the means compare like with like; the matrix above shows the rest."""
     measured = {(r["attack"], r["defense"]) for r in rows}
     present = [d for d in ORDER if any(m[1] == d for m in measured)]
-    common = [a for a, a2a, _ in CELLS if not a2a  # variants (VARIANTS) do not hold the others back
-              and all((a, d) in measured for d in present if d not in VARIANTS)]
+    common = [a for a in ATTACKS  # variants (VARIANTS) do not hold the others back
+              if all((a, d) in measured for d in present if d not in VARIANTS)]
     present = [d for d in present if all((a, d) in measured for a in common)]
     lines = [matrix_markdown(rows), "",
              f"## Mean over the attacks every defence has run ({', '.join(common) or 'none yet'})", "",
@@ -106,75 +106,72 @@ def summary_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n\n" + reference_markdown()
 
 
-def same_model(row: dict, infected: dict) -> bool:
-    """Whether a stored row was measured on the infected model now on disk (its ACC / ASR before the
-    defence match the model's own metrics); a model rebuilt by a newer toolkit invalidates old rows."""
-    return all(abs(row[f"{k}_before"] - infected[k]) < 5e-5 for k in ("acc", "asr"))
+def summary_by_model(rows: list[dict]) -> str:
+    """One summary per group of infected models: the zoo's models, and the older rows without a zoo."""
+    zoo_rows = [r for r in rows if r.get("zoo") and not r["all_to_all"]]
+    old = [r for r in rows if not r.get("zoo") and not r["all_to_all"]]
+    parts = []
+    if zoo_rows:
+        parts.append("# Zoo models (`" + "`, `".join(sorted({r["zoo"] for r in zoo_rows})) + "`)\n\n"
+                     + summary_markdown(zoo_rows))
+    if old:
+        parts.append("# Earlier rows: 4-epoch `quick` models trained before the zoo existed\n\n"
+                     + summary_markdown(old))
+    return "\n\n".join(parts)
 
 
 def copy_pbe_row(cell: dict) -> dict | None:
+    """The PBE / AFT row of pbe_cifar10.json for the same cell (same zoo model, same defence seed)."""
     path = HERE / "results" / "pbe_cifar10.json"
     if not path.exists():
         return None
-    key = {k: v for k, v in cell.items()}
+    keys = {k: v for k, v in cell.items() if k != "schedule"}
     for row in json.loads(path.read_text()):
-        if all(row.get(k) == v for k, v in key.items()):
-            return {**row, "params": {"schedule": row.get("schedule")} if cell["defense"] == "pbe" else {},
+        if all(row.get(k) == v for k, v in keys.items()) and row.get("schedule") in ("fast", "aft"):
+            return {**row, "schedule": None, "params": {"schedule": row.get("schedule")},
                     "source": "experiments/results/pbe_cifar10.json"}
     return None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data-root", default="../shared/data/cifar10")
-    ap.add_argument("--recipe", default="cpu", help="recipe of the infected models")
-    ap.add_argument("--only", nargs="*", help="attack names to run")
+    ap.add_argument("--set", default="dev", choices=("dev", "generalisation"), dest="zoo_set")
+    ap.add_argument("--only", nargs="*", help="zoo names or attacks to run")
     ap.add_argument("--defenses", nargs="*", default=ORDER, choices=ORDER)
     ap.add_argument("--paper-budget", action="store_true", help="the defences' own defaults (GPU-sized)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the defence")
     args = ap.parse_args()
     table = ResultsTable(HERE / "results" / "defenses_cifar10", "Defences side by side on infected CIFAR-10 models",
-                         "python experiments/defenses_cifar10.py", footer=summary_markdown)
-    for attack, a2a, _ in CELLS:
-        if a2a or (args.only and attack not in args.only):
+                         "python experiments/defenses_cifar10.py", footer=summary_by_model)
+    for entry in zoo_models(args.zoo_set, "cifar10", args.only):
+        src = zoo_source(entry)
+        if src is None:
             continue
-        src = RUNS / "attacks_cifar10" / f"{attack}_{args.recipe}_seed{args.seed}"
-        if not (ROOT / src / "model.safetensors").exists():
-            print(f"skip {src.name}: infected model missing (run experiments/attacks_cifar10.py first)")
-            continue
-        infected = json.loads((ROOT / src / "metrics.json").read_text())
         for defense in args.defenses:
-            setting = setting_of(defense)
-            cell = dict(dataset="cifar10", model="preact_resnet18(width=16)", recipe=args.recipe, attack=attack,
-                        rate=0.1, target=0, all_to_all=False, defense=defense, setting=setting, seed=args.seed)
-            if (row := table.find(**cell)) and same_model(row, infected):
-                print(f"skip {src.name} {defense}: already in the table")
+            cell = zoo_cell(entry, defense, setting_of(defense), args.seed)
+            if same_zoo_model(table.find(**cell), entry):
+                print(f"skip {entry.name} {defense}: already in the table")
                 continue
-            if row:
-                print(f"{src.name} {defense}: the stored row is of an earlier build of this infected model; rerun")
-            if defense in ("pbe", "aft") and (row := copy_pbe_row(cell)) and same_model(row, infected):
+            if defense in ("pbe", "aft") and (row := copy_pbe_row(cell)) and same_zoo_model(row, entry):
                 table.add(row)
-                print(f"{src.name} {defense}: copied from pbe_cifar10.json")
+                print(f"{entry.name} {defense}: copied from pbe_cifar10.json")
                 continue
             name, variant = registered(defense)
-            params = {**({} if args.paper_budget else cpu_budget(name, args.recipe)), **variant}
-            out = RUNS / "defenses_cifar10" / f"{src.name}_{defense}"
-            cmd = ["pbe", "defend", "--defense", name, "--model", str(src), "--dataset", "cifar10",
-                   "--data-root", args.data_root, "--poison-from", str(src), "--seed", str(args.seed),
-                   "--out", str(out), "--no-progress", "--clean-fraction", "0.05"]
+            params = {**({} if args.paper_budget else cpu_budget(name, entry.recipe)), **variant}
+            out = RUNS / "defenses_cifar10" / entry.name / f"{defense}_seed{args.seed}"
+            cmd = ["pbe", "defend", "--defense", name, "--model", str(src), *data_args(entry),
+                   "--poison-from", str(src), "--seed", str(args.seed), "--out", str(out), "--no-progress",
+                   "--clean-fraction", "0.05"]
             for k, v in params.items():
                 cmd += ["--param", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
             m = run_cell(cmd, out)
             report = json.loads((ROOT / out / "report.json").read_text())
-            b, a = report["before"], report["after"]
-            table.add({**cell, "acc": a["acc"], "asr": a["asr"], "ra": a["ra"], "acc_before": b["acc"],
-                       "asr_before": b["asr"], "ra_before": b["ra"], "der": report.get("der"),
-                       "detection": report.get("detection"), "wall_s": report["wall_s"],
-                       "epoch_equivalents": report["epoch_equivalents"], "command": m["command"],
-                       "hardware": report["hardware"], "toolkit_version": toolkit_version(),
-                       "params": report["params"], "budget": "paper" if args.paper_budget else "cpu"})
-            print(f"{src.name} {defense}: acc {b['acc']:.4f}->{a['acc']:.4f} asr {b['asr']:.4f}->{a['asr']:.4f} "
-                  f"ee={report['epoch_equivalents']:.2f} wall={report['wall_s']:.0f}s", flush=True)
+            row = defence_row(cell, m["command"], report, entry, params=report["params"],
+                              budget="paper" if args.paper_budget else "cpu")
+            table.add(row)
+            print(f"{entry.name} {defense}: acc {row['acc_before']:.4f}->{row['acc']:.4f} "
+                  f"asr {row['asr_before']:.4f}->{row['asr']:.4f} ee={row['epoch_equivalents']:.2f} "
+                  f"wall={row['wall_s']:.0f}s", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,65 +1,55 @@
-"""PBE (no clean data) and AFT (5% clean extra set) on the infected CIFAR-10 models of
-experiments/attacks_cifar10.py -> experiments/results/pbe_cifar10.{json,md}. Resumable: cells with a
-row are skipped; an infected model that does not exist yet is reported and skipped.
+"""PBE (no clean data, one row per schedule) and AFT (5% clean extra set) on the infected CIFAR-10
+zoo models -> experiments/results/pbe_cifar10.{json,md}. Resumable: cells with a row measured on the
+committed zoo model are skipped; a zoo model not built yet is reported and skipped.
 
-    python experiments/pbe_cifar10.py [--data-root ../shared/data/cifar10] [--schedule fast] [--only badnets]
+    python experiments/pbe_cifar10.py [--set dev] [--schedules fast paper] [--only badnets blend]
+
+Rows carry "schedule" (the registered name; `fast` is pbe.erase's default) and the zoo keys.
 """
 from __future__ import annotations
 
 import argparse
 import json
 
-from attacks_cifar10 import CELLS
-from common import HERE, ROOT, RUNS, run_cell
+from common import HERE, ROOT, RUNS, data_args, defence_row, run_cell, same_zoo_model, zoo_cell, zoo_models, zoo_source
 
 from pbe.results import ResultsTable
-from pbe.utils import toolkit_version
-
-DEFENSES = [("pbe", "no-clean"), ("aft", "clean-extra")]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data-root", default="../shared/data/cifar10")
-    ap.add_argument("--recipe", default="cpu", help="recipe of the infected models")
-    ap.add_argument("--schedule", default="fast", help="PBE schedule (fast or paper)")
-    ap.add_argument("--only", nargs="*", help="attack names to run")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", default="dev", choices=("dev", "generalisation"), dest="zoo_set")
+    ap.add_argument("--schedules", nargs="*", default=["fast"], help="PBE schedules (fast, paper)")
+    ap.add_argument("--no-aft", action="store_true", help="only PBE rows")
+    ap.add_argument("--only", nargs="*", help="zoo names or attacks to run")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the defence")
     args = ap.parse_args()
-    table = ResultsTable(HERE / "results" / "pbe_cifar10", "PBE and AFT on infected CIFAR-10 models",
+    table = ResultsTable(HERE / "results" / "pbe_cifar10", "PBE and AFT on infected CIFAR-10 zoo models",
                          "python experiments/pbe_cifar10.py")
-    for attack, a2a, _ in CELLS:
-        if args.only and attack not in args.only:
+    runs = [("pbe", "no-clean", s) for s in args.schedules] + ([] if args.no_aft else [("aft", "clean-extra", "aft")])
+    for entry in zoo_models(args.zoo_set, "cifar10", args.only):
+        src = zoo_source(entry)
+        if src is None:
             continue
-        src = RUNS / "attacks_cifar10" / f"{attack}{'_a2a' if a2a else ''}_{args.recipe}_seed{args.seed}"
-        if not (ROOT / src / "model.safetensors").exists():
-            print(f"skip {src.name}: infected model missing (run experiments/attacks_cifar10.py first)")
-            continue
-        for defense, setting in DEFENSES:
-            schedule = args.schedule if defense == "pbe" else "aft"
-            cell = dict(dataset="cifar10", model="preact_resnet18(width=16)", recipe=args.recipe, attack=attack,
-                        rate=0.1, target=None if a2a else 0, all_to_all=a2a, defense=defense, setting=setting,
-                        seed=args.seed)
-            if table.find(**cell) and table.find(**cell).get("schedule") == schedule:
-                print(f"skip {src.name} {defense}: already in the table")
+        for defense, setting, schedule in runs:
+            cell = zoo_cell(entry, defense, setting, args.seed, schedule=schedule)
+            if same_zoo_model(table.find(**cell), entry):
+                print(f"skip {entry.name} {defense} {schedule}: already in the table")
                 continue
-            out = RUNS / "pbe_cifar10" / f"{src.name}_{defense}_{schedule}"
-            cmd = ["pbe", "erase", "--model", str(src), "--dataset", "cifar10", "--data-root", args.data_root,
-                   "--setting", setting, "--poison-from", str(src), "--seed", str(args.seed), "--out", str(out),
-                   "--no-progress"] + (["--schedule", schedule] if defense == "pbe" else ["--clean-fraction", "0.05"])
+            out = RUNS / "pbe_cifar10" / entry.name / f"{defense}_{schedule}_seed{args.seed}"
+            cmd = ["pbe", "erase", "--model", str(src), *data_args(entry), "--setting", setting,
+                   "--poison-from", str(src), "--seed", str(args.seed), "--out", str(out), "--no-progress",
+                   *(["--schedule", schedule] if defense == "pbe" else ["--clean-fraction", "0.05"])]
             m = run_cell(cmd, out)
             report = json.loads((ROOT / out / "report.json").read_text())
-            b, a = report["before"], report["after"]
-            table.add({**cell, "acc": a["acc"], "asr": a["asr"], "ra": a["ra"], "acc_before": b["acc"],
-                       "asr_before": b["asr"], "ra_before": b["ra"], "der": report.get("der"),
-                       "detection": report["rounds"][-1].get("detection"), "wall_s": report["wall_s"],
-                       "epoch_equivalents": report["epoch_equivalents"], "command": m["command"],
-                       "hardware": report["hardware"], "toolkit_version": toolkit_version(), "schedule": schedule,
-                       "rounds": len(report["rounds"]), "stopped_early": report.get("stopped_early"),
-                       "monitor_before": report["monitor_before"]["top_kappa"],
-                       "monitor_after": report["monitor_after"]["top_kappa"]})
-            print(f"{src.name} {defense}: acc {b['acc']:.4f}->{a['acc']:.4f} asr {b['asr']:.4f}->{a['asr']:.4f} "
-                  f"ee={report['epoch_equivalents']:.2f}", flush=True)
+            row = defence_row(cell, m["command"], report, entry, rounds=len(report["rounds"]),
+                              stopped_early=report.get("stopped_early"),
+                              monitor_before=report["monitor_before"]["top_kappa"],
+                              monitor_after=report["monitor_after"]["top_kappa"])
+            row["detection"] = report["rounds"][-1].get("detection")
+            table.add(row)
+            print(f"{entry.name} {defense} {schedule}: acc {row['acc_before']:.4f}->{row['acc']:.4f} "
+                  f"asr {row['asr_before']:.4f}->{row['asr']:.4f} ee={row['epoch_equivalents']:.2f}", flush=True)
 
 
 if __name__ == "__main__":

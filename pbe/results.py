@@ -20,7 +20,10 @@ from pbe.utils import PBEError, atomic_path, write_json
 REQUIRED = ["dataset", "model", "recipe", "attack", "rate", "target", "all_to_all", "defense", "setting",
             "seed", "acc", "asr", "ra", "acc_before", "asr_before", "ra_before", "der", "detection",
             "wall_s", "epoch_equivalents", "command", "hardware", "toolkit_version"]
-CELL_KEYS = ["dataset", "model", "recipe", "attack", "rate", "target", "all_to_all", "defense", "setting", "seed"]
+# what makes a row a cell of its own (a missing key counts as null: rows made before the zoo existed
+# have no "zoo", PBE rows of two schedules are two cells)
+CELL_KEYS = ["dataset", "model", "recipe", "attack", "rate", "target", "all_to_all", "defense", "setting", "seed",
+             "zoo", "schedule"]
 
 
 @contextlib.contextmanager
@@ -75,7 +78,7 @@ class ResultsTable:
             tmp.write_text(self.markdown())
 
     def markdown(self) -> str:
-        head = ["attack", "a2a", "defense", "setting", "seed", "ACC before", "ASR before", "ACC %", "ASR %",
+        head = ["zoo", "attack", "a2a", "defense", "setting", "seed", "ACC before", "ASR before", "ACC %", "ASR %",
                 "RA %", "DER", "det. P / R %", "wall s", "epoch-eq.", "hardware", "command"]
         lines = [f"# {self.title}", "", f"Regenerate: `{self.regenerate}` (cells with a row are skipped; "
                  "delete a row from the JSON to rerun it). Values in %, from the JSON beside this file.", "",
@@ -86,7 +89,7 @@ class ResultsTable:
             det = r.get("detection") or {}
             pr = f"{_pct(det['precision'])} / {_pct(det['recall'])}" if "precision" in det else "–"
             lines.append("| " + " | ".join([
-                str(r["attack"]), "yes" if r["all_to_all"] else "no", str(r["defense"]), str(r["setting"] or "–"),
+                str(r.get("zoo") or "–"), str(r["attack"]), "yes" if r["all_to_all"] else "no", str(r["defense"]), str(r["setting"] or "–"),
                 str(r["seed"]), _pct(r.get("acc_before")), _pct(r.get("asr_before")), _pct(r["acc"]),
                 _pct(r["asr"]), _pct(r["ra"]), der, pr, f"{r['wall_s']:.0f}", ee, r["hardware"],
                 f"`{r['command']}`"]) + " |")

@@ -63,6 +63,7 @@ class Entry:
     params: dict = field(default_factory=dict)
     model: str | None = None
     width: int | None = None
+    epochs: int | None = None  # overrides the recipe's (small test zoos)
 
     @property
     def folder(self) -> Path:
@@ -82,6 +83,8 @@ class Entry:
             cmd += ["--model", self.model]
         if self.width:
             cmd += ["--width", str(self.width)]
+        if self.epochs:
+            cmd += ["--epochs", str(self.epochs)]
         if self.infected:
             cmd += ["--rate", str(self.rate)]
             cmd += ["--all-to-all"] if self.all_to_all else ["--target", str(self.target)]
@@ -308,7 +311,7 @@ def _cmd_list(args) -> list[str]:
         r = row(n) if is_built(n) else None
         state = "not built" if r is None else f"acc {100 * r['acc']:.2f}" + (
             "" if r["asr"] is None else f" asr {100 * r['asr']:.2f}")
-        print(f"{n:32s} {get(n).set:15s} {state}")
+        print(f"{n:40s} {get(n).set:15s} {state}")
     return names
 
 
