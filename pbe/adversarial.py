@@ -136,3 +136,106 @@ def success_rate(model: nn.Module, x_adv: torch.Tensor, labels: torch.Tensor, ba
     like foolbox's ``success``)."""
     from pbe.metrics import predict
     return float((predict(model, x_adv, batch_size=batch_size) != labels).float().mean())
+
+
+# ---------------------------------------------------------------- sparse and universal perturbations
+def _patch_origins(n: int, size: int, h: int, w: int, generator: torch.Generator | None) -> torch.Tensor:
+    """A random top-left corner per image for a size x size patch."""
+    return torch.stack([torch.randint(0, h - size + 1, (n,), generator=generator),
+                        torch.randint(0, w - size + 1, (n,), generator=generator)], 1)
+
+
+def _paste(x: torch.Tensor, patch: torch.Tensor, origins: torch.Tensor) -> torch.Tensor:
+    """`x` with `patch` ((C, s, s) shared, or (N, C, s, s) per image) pasted at each image's origin;
+    differentiable in `patch`."""
+    n, c = x.shape[:2]
+    s = patch.shape[-1]
+    dev = x.device
+    where = (torch.arange(n, device=dev).view(n, 1, 1, 1), torch.arange(c, device=dev).view(1, c, 1, 1),
+             (origins[:, 0, None] + torch.arange(s)).to(dev).view(n, 1, s, 1),
+             (origins[:, 1, None] + torch.arange(s)).to(dev).view(n, 1, 1, s))
+    full = patch.expand(n, *patch.shape[-3:]) if patch.dim() == 3 else patch
+    keep = torch.ones_like(x).index_put(where, torch.zeros((), device=dev))
+    return x * keep + torch.zeros_like(x).index_put(where, full)
+
+
+def patch_attack(model: nn.Module, x: torch.Tensor, y: torch.Tensor, size: int = 3, steps: int = 20,
+                 step: float = 0.1, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Untargeted sparse (L0) perturbation: a size x size patch of free pixel values at a random place
+    in each image, by signed gradient ascent on the loss of the true label (a BadNets-like trigger
+    search that knows no trigger)."""
+    if not 1 <= size <= min(x.shape[-2:]):
+        raise PBEError(f"patch size must be in [1, {min(x.shape[-2:])}], got {size}")
+    origins = _patch_origins(len(x), size, *x.shape[-2:], generator)
+    patch = torch.rand(len(x), x.shape[1], size, size, generator=generator).to(x.device)
+    with attacking(model):
+        for _ in range(steps):
+            patch.requires_grad_(True)
+            loss = F.cross_entropy(model(_paste(x, patch, origins)), y)
+            (grad,) = torch.autograd.grad(loss, patch)
+            patch = (patch.detach() + step * grad.sign()).clamp(0, 1)
+        return _paste(x, patch, origins).detach()
+
+
+@dataclass(frozen=True)
+class UniversalConfig:
+    """One perturbation for many images: `kind` "linf" / "l2" (budget `eps`) or "patch" (a `size` x
+    `size` patch pasted at a random place in every image); `epochs` passes over the images."""
+
+    kind: str = "linf"
+    eps: float = 8 / 255
+    size: int = 5
+    epochs: int = 5
+    step: float | None = None  # default eps / 4 (linf, l2) or 0.05 (patch)
+    batch_size: int = 128
+
+    def __post_init__(self):
+        if self.kind not in ("linf", "l2", "patch"):
+            raise PBEError(f"universal kind must be 'linf', 'l2' or 'patch', got {self.kind!r}")
+        if self.epochs < 1 or self.batch_size < 1 or self.eps <= 0 or self.size < 1:
+            raise PBEError("universal perturbation needs epochs >= 1, batch_size >= 1, eps > 0, size >= 1")
+
+
+def universal_perturbation(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                           cfg: UniversalConfig | None = None, generator: torch.Generator | None = None,
+                           device=None) -> torch.Tensor:
+    """One untargeted perturbation (C, H, W) that raises the loss of every image's true label
+    (Moosavi-Dezfooli et al. 2017, optimised by mini-batch signed / normalised gradient ascent).
+    For "linf" / "l2" it is added to an image; for "patch" it is pasted with ``apply_universal``."""
+    cfg = cfg or UniversalConfig()
+    dev = device or next(model.parameters()).device
+    c, h, w = images.shape[1:]
+    if cfg.kind == "patch":
+        delta = torch.rand(c, cfg.size, cfg.size, generator=generator).to(dev)
+        step = 0.05 if cfg.step is None else cfg.step
+    else:
+        delta = torch.zeros(c, h, w, device=dev)
+        step = cfg.eps / 4 if cfg.step is None else cfg.step
+    with attacking(model):
+        for _ in range(cfg.epochs):
+            order = torch.randperm(len(images), generator=generator)
+            for s in range(0, len(images), cfg.batch_size):
+                idx = order[s:s + cfg.batch_size]
+                x = images[idx].to(dev)
+                x = x.float() / 255 if x.dtype == torch.uint8 else x
+                delta.requires_grad_(True)
+                loss = F.cross_entropy(model(apply_universal(x, delta, cfg, generator)), labels[idx].to(dev))
+                (grad,) = torch.autograd.grad(loss, delta)
+                with torch.no_grad():
+                    if cfg.kind == "patch":
+                        delta = (delta + step * grad.sign()).clamp(0, 1)
+                    elif cfg.kind == "linf":
+                        delta = (delta + step * grad.sign()).clamp(-cfg.eps, cfg.eps)
+                    else:
+                        delta = delta + step * grad / grad.norm().clamp_min(1e-12)
+                        delta = delta * (cfg.eps / delta.norm().clamp_min(1e-12)).clamp(max=1.0)
+    return delta.detach().cpu()
+
+
+def apply_universal(x: torch.Tensor, delta: torch.Tensor, cfg: UniversalConfig,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """`x` (float in [0, 1]) with a universal perturbation: added and clipped, or pasted as a patch."""
+    delta = delta.to(x.device)
+    if cfg.kind == "patch":
+        return _paste(x, delta, _patch_origins(len(x), delta.shape[-1], *x.shape[-2:], generator))
+    return (x + delta).clamp(0, 1)

@@ -1,0 +1,147 @@
+"""PBE's premise per zoo model -> experiments/results/premise_cifar10.{json,md,png}: for every CIFAR-10
+zoo model (dev and generalisation sets, clean ones included), the share of untargeted adversarial
+labels that land on the backdoor's target vs the share natural confusion predicts, for per-image
+L-inf (2/4/6/8/16 /255), L2 and sparse-patch perturbations and for universal ones; plus the neuron
+overlap of triggered, adversarial (L-inf 6/255, the paper's budget) and clean inputs at the last
+convolution. One row per model; models with a row (on the committed weights) are skipped.
+
+    python experiments/premise_cifar10.py [--set dev] [--only badnets] [--probe 500] [--seed 0]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from common import HERE, same_zoo_model, zoo_models
+
+from pbe import models, zoo
+from pbe.activations import neuron_overlap, probe_indices
+from pbe.adversarial import PGDConfig, adversarial_examples
+from pbe.metrics import predict
+from pbe.premise import FAMILIES, label_shares
+from pbe.results import ResultsTable
+from pbe.utils import hardware_string, toolkit_version, use_all_cpus
+
+PAPER_PGD = PGDConfig(eps=6 / 255, steps=7)  # the authors' budget, for the neuron overlap
+TOP_K = 10
+
+
+class PremiseTable(ResultsTable):
+    def markdown(self) -> str:
+        labels = [f.label for f in FAMILIES]
+        lines = [f"# {self.title}", "", f"Regenerate: `{self.regenerate}`. Each cell: share (%) of the fooled "
+                 "images that land on the target / share natural confusion predicts (the clean runner-up); "
+                 "clean models: the most attracting label and its share. Neuron overlap: Jaccard of the top-"
+                 f"{TOP_K} channels at the last convolution (triggered-adversarial vs clean-adversarial).", "",
+                 "| zoo | set | attack | target | " + " | ".join(labels) + " | overlap trig-adv / clean-adv |",
+                 "|---|---|---|---|" + "---|" * len(labels) + "---|"]
+        for r in self.rows:
+            cells = []
+            for m in r["measurements"]:
+                if m["success"] == 0:
+                    cells.append("none fooled")
+                elif m["target_share"] is None:
+                    cells.append("–" if m["top_label"] is None else f"[{m['top_label']}] {100 * m['top_share']:.0f}")
+                else:
+                    cells.append(f"**{100 * m['target_share']:.0f}** / {100 * m['expected_share']:.0f}")
+            ov = r.get("overlap")
+            ov_cell = "–" if not ov else f"{ov['triggered_adversarial']:.2f} / {ov['clean_adversarial']:.2f}"
+            target = "all-to-all" if r["all_to_all"] else ("–" if r["target"] is None else r["target"])
+            lines.append(f"| {r['zoo']} | {r['zoo_set']} | {r['attack']} | {target} | " + " | ".join(cells)
+                         + f" | {ov_cell} |")
+        lines += ["", "Rows: probe size, seed, wall time, epoch-equivalents, hardware and command are in the JSON."]
+        return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pbe.utils import atomic_path
+    infected = [r for r in rows if r["attack"] != "none"]
+    if not infected:
+        return
+    labels = [f.label for f in FAMILIES]
+    fig, axes = plt.subplots(len(infected), 1, figsize=(12, 1.9 * len(infected)), squeeze=False, sharex=True)
+    for ax, r in zip(axes[:, 0], infected):
+        share = [100 * (m["target_share"] or 0) for m in r["measurements"]]
+        expected = [100 * (m["expected_share"] or 0) for m in r["measurements"]]
+        pos = range(len(labels))
+        ax.bar([p - 0.2 for p in pos], share, 0.4, label="adversarial labels on the target")
+        ax.bar([p + 0.2 for p in pos], expected, 0.4, label="natural confusion (runner-up)")
+        ax.set_ylabel("%")
+        ax.set_title(f"{r['zoo']} ({r['zoo_set']})", fontsize=9)
+        ax.set_ylim(0, 100)
+    axes[0, 0].legend(fontsize=8, loc="upper left")
+    axes[-1, 0].set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=90)
+    plt.close(fig)
+
+
+def measure(entry: zoo.Entry, probe: int, seed: int) -> dict:
+    z = zoo.load(entry.name)
+    start = time.time()
+    test = z.test_set
+    keep = torch.ones(len(test), dtype=torch.bool)
+    if entry.infected and not entry.all_to_all:
+        keep = test.labels != entry.target  # images the backdoor would move
+    correct = predict(z.model, test.images) == test.labels
+    pool = torch.nonzero(keep & correct).flatten()
+    idx = pool[probe_indices(test.labels[pool], probe, seed)]
+    x, y = test.images[idx].float() / 255, test.labels[idx]
+    shares, passes = label_shares(z.model, x, y, test.num_classes, entry.target if entry.infected else None,
+                                  entry.all_to_all, seed=seed)
+    overlap = None
+    if z.attack is not None:
+        x_adv = adversarial_examples(z.model, x, y, PAPER_PGD)
+        layer = models.last_conv_name(z.model)
+        ov = neuron_overlap(z.model, x, z.attack.apply(x), x_adv, [layer], k=TOP_K)[layer]
+        overlap = {**ov["jaccard"], "centroid_distance": ov["centroid_distance"], "layer": layer}
+        passes += PAPER_PGD.steps * len(x) + len(x)
+    r = z.row
+    return {"dataset": r["dataset"], "model": r["model"], "recipe": r["recipe"], "attack": r["attack"],
+            "rate": r["rate"], "target": r["target"], "all_to_all": r["all_to_all"], "defense": "none",
+            "setting": None, "seed": seed, "acc": r["acc"], "asr": r["asr"], "ra": r["ra"], "acc_before": None,
+            "asr_before": None, "ra_before": None, "der": None, "detection": None,
+            "wall_s": round(time.time() - start, 1), "epoch_equivalents": passes / len(z.train_set),
+            "command": f"python experiments/premise_cifar10.py --only {entry.name} --probe {probe} --seed {seed}",
+            "hardware": hardware_string(), "toolkit_version": toolkit_version(), "zoo": entry.name,
+            "zoo_set": entry.set, "zoo_sha256": r["sha256"], "probe_size": len(idx),
+            "probe_indices": idx.tolist(), "measurements": shares, "overlap": overlap}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--set", choices=("dev", "generalisation"), dest="zoo_set", help="one zoo set (default: both)")
+    ap.add_argument("--only", nargs="*", help="zoo names or attacks")
+    ap.add_argument("--probe", type=int, default=500, help="test images attacked per model (default 500)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dataset", default="cifar10", help="zoo models of this dataset (default cifar10)")
+    args = ap.parse_args()
+    use_all_cpus()
+    table = PremiseTable(HERE / "results" / "premise_cifar10", "PBE's premise per zoo model (CIFAR-10)",
+                         "python experiments/premise_cifar10.py")
+    for entry in zoo_models(args.zoo_set, args.dataset, args.only, infected=False):
+        if not zoo.is_built(entry.name):
+            print(f"skip {entry.name}: not built yet")
+            continue
+        cell = dict(dataset=args.dataset, model=zoo.row(entry.name)["model"], recipe=entry.recipe,
+                    attack=entry.attack, rate=zoo.row(entry.name)["rate"], target=zoo.row(entry.name)["target"],
+                    all_to_all=entry.all_to_all, defense="none", setting=None, seed=args.seed, zoo=entry.name)
+        if same_zoo_model(table.find(**cell), entry):
+            print(f"skip {entry.name}: already in the table")
+            continue
+        row = measure(entry, args.probe, args.seed)
+        table.add(row)
+        plot(table.rows, HERE / "results" / "premise_cifar10.png")
+        print(entry.name, " ".join(f"{m['label']}:{m['target_share'] if m['target_share'] is None else round(100 * m['target_share'])}"
+                                   f"/{m['expected_share'] if m['expected_share'] is None else round(100 * m['expected_share'])}"
+                                   for m in row["measurements"]), f"wall {row['wall_s']}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
