@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from pbe.activations import Monitor, monitor, probe_indices
-from pbe.adversarial import PGDConfig, pgd
+from pbe.adversarial import PGDConfig, UniversalConfig, apply_universal, pgd, universal_perturbation
 from pbe.data import ImageDataset, augment
 from pbe.metrics import evaluate, predict
 from pbe.train import batches
@@ -33,7 +33,13 @@ from pbe.utils import PBEError, resolve_device, seed_everything, use_all_cpus
 class Schedule:
     """What PBE does per round t: fine-tune `epochs[t]` epochs on a subset of size `fractions[t]`
     of the training set (round 0: a random draw), with the first `adv_batches[t]` batches of the
-    round adversarial (None: all of them)."""
+    round adversarial (None: all of them).
+
+    Levers beyond the paper: `adv_share` (share of an adversarial batch that gets per-image PGD; the
+    rest stays clean, which protects accuracy), and `universal` (a universal perturbation of the
+    current model, re-optimised every epoch on `universal_images` samples of the subset, pasted on a
+    `universal_share` of every batch with the samples' own labels: a trigger-like direction the
+    backdoor opens, unlearned without knowing the trigger)."""
 
     fractions: tuple[float, ...] = (0.05, 0.3)
     epochs: tuple[int, ...] = (4, 2)
@@ -47,8 +53,17 @@ class Schedule:
     early_stop: bool = True  # stop once a backdoor the monitor flagged before the defence is gone
     probe_size: int = 500  # images attacked for the monitor
     monitor_pgd: PGDConfig = PGDConfig(eps=6 / 255, steps=5, step=2 / 255)
+    adv_share: float = 1.0
+    universal: UniversalConfig | None = None
+    universal_share: float = 0.0
+    universal_images: int = 512
 
     def __post_init__(self):
+        if not (0 <= self.adv_share <= 1 and 0 <= self.universal_share <= 1):
+            raise PBEError(f"adv_share and universal_share must be in [0, 1], got {self.adv_share}, "
+                           f"{self.universal_share}")
+        if self.universal is not None and self.adv_share + self.universal_share > 1:
+            raise PBEError("adv_share + universal_share must be <= 1 (they are disjoint parts of a batch)")
         n = len(self.fractions)
         if not (len(self.epochs) == len(self.adv_batches) == n) or n == 0:
             raise PBEError("schedule: fractions, epochs and adv_batches need one entry per round")
@@ -98,20 +113,33 @@ class Evaluation:
 
 def finetune(model: nn.Module, data: ImageDataset, epochs: int, adv_batches: int | None, s: Schedule,
              gen: torch.Generator, device, cost: Cost, progress: bool, desc: str) -> None:
-    """SGD on `data` (shuffled, augmented); the first `adv_batches` batches become PGD examples of
-    themselves, with their own labels."""
+    """SGD on `data` (shuffled, augmented); in the first `adv_batches` batches an `adv_share` of the
+    batch becomes PGD examples of itself, with their own labels; with `s.universal`, a
+    `universal_share` of every batch gets the epoch's universal perturbation, with their own labels."""
     opt = torch.optim.SGD(model.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
     done_adv, steps = 0, epochs * -(-len(data) // s.batch_size)
     bar = tqdm(total=steps, desc=desc, disable=not progress, leave=False, unit="batch")
     for _ in range(epochs):
+        delta = None
+        if s.universal is not None and s.universal_share > 0:
+            pick = torch.randperm(len(data), generator=gen)[:s.universal_images]
+            delta = universal_perturbation(model, data.images[pick], data.labels[pick], s.universal, gen, device)
+            cost.forward_backward += s.universal.epochs * len(pick)
         for idx in batches(len(data), s.batch_size, gen):
             x = data.images[idx].to(device).float().div_(255)
             y = data.labels[idx].to(device)
             x = augment(x, s.crop_padding, data.flip, gen)
+            n_adv = 0
             if adv_batches is None or done_adv < adv_batches:
-                x = pgd(model, x, y, s.pgd, gen)
-                cost.forward_backward += len(x) * s.pgd.steps
+                n_adv = round(s.adv_share * len(x))
+                if n_adv:
+                    x = torch.cat([pgd(model, x[:n_adv], y[:n_adv], s.pgd, gen), x[n_adv:]])
+                    cost.forward_backward += n_adv * s.pgd.steps
                 done_adv += 1
+            if delta is not None:  # the batch is shuffled: any slice is a random share
+                n_uni = round(s.universal_share * len(x))
+                end = min(len(x), n_adv + n_uni)
+                x = torch.cat([x[:n_adv], apply_universal(x[n_adv:end], delta, s.universal, gen), x[end:]])
             model.train()
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)

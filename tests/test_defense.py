@@ -136,3 +136,39 @@ def test_aft_with_clean_extra_set(blend_model, digits):
                            evaluation=Evaluation(digits[1], attack), batch_size=64, crop_padding=1)
     assert report["after"]["asr"] < 0.3 < report["before"]["asr"]
     assert type(purified) is type(model)
+
+
+def test_universal_and_mixed_batch_levers(blend_model, monkeypatch):
+    """The universal lever re-optimises a perturbation every epoch and pastes it on its share of each
+    batch; adv_share leaves the rest of an adversarial batch clean; both are counted in the cost."""
+    from dataclasses import replace
+
+    import pbe.defense as defense
+    from pbe.adversarial import UniversalConfig
+    model, _, poisoned = blend_model
+    seen = {"universal": 0, "pgd_images": 0}
+    real_uni, real_pgd = defense.universal_perturbation, defense.pgd
+
+    def count_uni(*a, **k):
+        seen["universal"] += 1
+        return real_uni(*a, **k)
+
+    def count_pgd(m, x, *a, **k):
+        seen["pgd_images"] += len(x)
+        return real_pgd(m, x, *a, **k)
+    monkeypatch.setattr(defense, "universal_perturbation", count_uni)
+    monkeypatch.setattr(defense, "pgd", count_pgd)
+    uni = UniversalConfig(kind="l2", eps=1.0, epochs=1)
+    s = replace(DIGITS_SCHEDULE, fractions=(0.5,), epochs=(2,), adv_batches=(None,), adv_share=0.5,
+                universal=uni, universal_share=0.25, universal_images=64, early_stop=False)
+    _, report = erase(model, poisoned, s, seed=0, progress=False)
+    assert seen["universal"] == 2  # once per epoch
+    subset = report["rounds"][0]["subset_size"]
+    assert 0.4 * 2 * subset <= seen["pgd_images"] <= 0.6 * 2 * subset  # half of every batch, 2 epochs
+    plain = replace(s, universal=None, universal_share=0.0)
+    _, report_plain = erase(model, poisoned, plain, seed=0, progress=False)
+    assert report["passes"]["forward_backward"] - report_plain["passes"]["forward_backward"] == 2 * 64
+    with pytest.raises(Exception, match="universal_share must be <= 1"):
+        replace(s, adv_share=0.8, universal_share=0.5)
+    with pytest.raises(Exception, match="must be in \\[0, 1\\]"):
+        replace(s, adv_share=1.5)

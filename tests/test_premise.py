@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-from pbe import models
 from pbe.adversarial import UniversalConfig, _paste, apply_universal, patch_attack, universal_perturbation
 from pbe.premise import Family, label_shares
 from pbe.utils import PBEError

@@ -1,0 +1,103 @@
+"""PBE's levers, one named variant at a time, on the CIFAR-10 dev-set zoo models (no clean data)
+-> experiments/results/pbe_ablation_cifar10.{json,md}. Every lever tried stays in the table, the
+failures included. Resumable: (model, variant) cells with a row on the committed weights are skipped.
+
+    python experiments/pbe_ablation_cifar10.py [--only badnets] [--variants fast uni_l2] [--seed 0]
+
+Variants are changes to a registered schedule (``pbe.defense.SCHEDULES``); the generalisation set is
+never run here (tuning must not look at it).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from common import HERE, same_zoo_model, zoo_cell, zoo_models
+
+from pbe import zoo
+from pbe.adversarial import UniversalConfig
+from pbe.defense import SCHEDULES, Evaluation, erase
+from pbe.results import ResultsTable
+from pbe.utils import hardware_string, toolkit_version
+
+FAST = SCHEDULES["fast"]
+UNI_L2 = UniversalConfig(kind="l2", eps=4.0)
+UNI_PATCH = UniversalConfig(kind="patch", size=5)
+
+# name -> (what it changes, the schedule)
+VARIANTS = {
+    "fast": ("the default", FAST),
+    "fast_lr1e-3": ("authors' lr 1e-3", replace(FAST, lr=1e-3)),
+    "fast_keep_adv": ("adversarial batches in every round", replace(FAST, adv_batches=(None, None))),
+    "fast_half_adv_lr1e-3": ("half of each adversarial batch stays clean, lr 1e-3",
+                             replace(FAST, adv_share=0.5, lr=1e-3, adv_batches=(None, None))),
+    "uni_l2": ("universal L2 4 on half of every batch + PGD on the other half, lr 1e-3, no early stop",
+               replace(FAST, adv_share=0.5, universal=UNI_L2, universal_share=0.5, lr=1e-3,
+                       adv_batches=(None, None), early_stop=False)),
+    "uni_patch": ("universal 5x5 patch on half of every batch + PGD on the other half, lr 1e-3, no early stop",
+                  replace(FAST, adv_share=0.5, universal=UNI_PATCH, universal_share=0.5, lr=1e-3,
+                          adv_batches=(None, None), early_stop=False)),
+    "uni_l2_clean": ("universal L2 4 on a third of every batch, the rest clean (no PGD), lr 1e-3",
+                     replace(FAST, adv_share=0.0, universal=UNI_L2, universal_share=1 / 3, lr=1e-3,
+                             adv_batches=(None, None), early_stop=False)),
+    "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
+}
+
+
+class AblationTable(ResultsTable):
+    def markdown(self) -> str:
+        lines = [f"# {self.title}", "", f"Regenerate: `{self.regenerate}`. ACC / ASR in %, no clean data. "
+                 "Ranking AUC: how well the final round's score separates poison (1 = perfect).", "",
+                 "| zoo | variant | what it changes | ACC before | ASR before | ACC | ASR | ACC drop | DER | "
+                 "ranking AUC | epoch-eq. | wall s | hardware |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in self.rows:
+            auc = (r.get("detection") or {}).get("auc")
+            lines.append(
+                f"| {r['zoo']} | {r['variant']} | {r['what']} | {100 * r['acc_before']:.2f} | "
+                f"{100 * r['asr_before']:.2f} | {100 * r['acc']:.2f} | {100 * r['asr']:.2f} | "
+                f"{100 * (r['acc_before'] - r['acc']):.2f} | {r['der']:.3f} | "
+                f"{'–' if auc is None else f'{auc:.3f}'} | {r['epoch_equivalents']:.2f} | {r['wall_s']:.0f} | "
+                f"{r['hardware']} |")
+        return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", help="dev-set zoo names or attacks")
+    ap.add_argument("--variants", nargs="*", default=[v for v in VARIANTS if v != "paper"], choices=list(VARIANTS))
+    ap.add_argument("--seed", type=int, default=0, help="seed of the defence")
+    args = ap.parse_args()
+    table = AblationTable(HERE / "results" / "pbe_ablation_cifar10", "PBE ablation on the CIFAR-10 dev zoo",
+                          "python experiments/pbe_ablation_cifar10.py")
+    for entry in zoo_models("dev", "cifar10", args.only):
+        if not zoo.is_built(entry.name):
+            print(f"skip {entry.name}: not built yet")
+            continue
+        z = None
+        for variant in args.variants:
+            cell = zoo_cell(entry, "pbe", "no-clean", args.seed, schedule=f"ablation:{variant}")
+            if same_zoo_model(table.find(**cell), entry):
+                print(f"skip {entry.name} {variant}: already in the table")
+                continue
+            z = z or zoo.load(entry.name)
+            what, schedule = VARIANTS[variant]
+            _, report = erase(z.model, z.train_set, schedule, seed=args.seed, progress=False,
+                              evaluation=Evaluation(z.test_set, z.attack, z.train_set.poison_indices))
+            b, a = report["before"], report["after"]
+            table.add({**cell, "acc": a["acc"], "asr": a["asr"], "ra": a["ra"], "acc_before": b["acc"],
+                       "asr_before": b["asr"], "ra_before": b["ra"], "der": report["der"],
+                       "detection": report["rounds"][-1].get("detection"), "wall_s": report["wall_s"],
+                       "epoch_equivalents": report["epoch_equivalents"],
+                       "command": f"python experiments/pbe_ablation_cifar10.py --only {entry.name} --variants "
+                                  f"{variant} --seed {args.seed}",
+                       "hardware": hardware_string(), "toolkit_version": toolkit_version(),
+                       "zoo_sha256": z.row["sha256"], "variant": variant, "what": what,
+                       "schedule_fields": report["schedule"], "stopped_early": report["stopped_early"],
+                       "per_round": [{k: rd.get(k) for k in ("round", "subset_size", "metrics", "detection",
+                                                              "epoch_equivalents")} for rd in report["rounds"]]})
+            print(f"{entry.name} {variant}: acc {b['acc']:.4f}->{a['acc']:.4f} asr {b['asr']:.4f}->{a['asr']:.4f} "
+                  f"ee {report['epoch_equivalents']:.2f} wall {report['wall_s']:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
