@@ -4,7 +4,7 @@ failures included. Resumable: (model, variant) cells with a row on the committed
 
     python experiments/pbe_ablation_cifar10.py [--only badnets] [--variants fast uni_l2] [--seed 0]
 
-Variants are changes to a registered schedule (``pbe.defense.SCHEDULES``); the generalisation set is
+Variants are changes to a registered schedule (``pbe.defenses.SCHEDULES``); the generalisation set is
 never run here (tuning must not look at it).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from common import HERE, same_zoo_model, zoo_cell, zoo_models
 
 from pbe import zoo
 from pbe.adversarial import UniversalConfig
-from pbe.defense import SCHEDULES, Evaluation, erase
+from pbe.defenses import SCHEDULES, Evaluation, erase
 from pbe.results import ResultsTable
 from pbe.utils import hardware_string, toolkit_version
 

@@ -46,7 +46,7 @@ def run_defense(args, defense) -> dict:
     """Shared by ``pbe defend`` and ``pbe erase``: give `defense` the data its setting allows, measure
     it against the attack (evaluation only), and write model, report, metrics and plots to --out."""
     from pbe import checkpoint, data
-    from pbe.defense import Evaluation
+    from pbe.defenses import Evaluation
     from pbe.plots import plot_histograms, plot_rounds
     from pbe.utils import hardware_string, write_json
 
@@ -107,7 +107,7 @@ def cmd_defend(args) -> dict:
 
 def cmd_erase(args) -> dict:
     from pbe import defenses
-    from pbe.defense import SCHEDULES, get_schedule
+    from pbe.defenses import SCHEDULES, get_schedule
     if args.setting == "no-clean":
         sched = get_schedule(args.schedule)
         defense = defenses.create("pbe", schedule=get_schedule(sched, pgd=_pgd_config(args, sched.pgd), lr=args.lr))
@@ -171,7 +171,7 @@ def _defense_data_args(p) -> None:
 
 def register(sub, common) -> None:
     from pbe import defenses
-    from pbe.defense import SCHEDULES
+    from pbe.defenses import SCHEDULES
     p = sub.add_parser("erase", help="purify a model: PBE without clean data, or AFT with a clean extra set")
     common(p)
     _defense_data_args(p)

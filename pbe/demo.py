@@ -9,7 +9,7 @@ import json
 import time
 
 from pbe.adversarial import PGDConfig
-from pbe.defense import Schedule
+from pbe.defenses.pbe import Schedule
 
 # 8x8 digits with 17 grey levels need a larger budget than 32x32 photographs (6/255).
 DIGITS_PGD = PGDConfig(eps=0.1, steps=5, step=0.1 / 3)
@@ -21,7 +21,7 @@ def run_demo(seed: int = 0, progress: bool = False, out=None) -> dict:
     import attacks
     from pbe import checkpoint, data, metrics, models
     from pbe.activations import detect
-    from pbe.defense import Evaluation, erase
+    from pbe.defenses import Evaluation, erase
     from pbe.utils import write_json
 
     start = time.time()

@@ -103,3 +103,16 @@ def evaluate(model: nn.Module, test_set, attack=None, batch_size: int = 512, dev
                                             test_set.num_classes)
         result["ra"] = robust_accuracy(trig, test_set.labels, attack.target, attack.all_to_all)
     return result
+
+
+def ranking_quality(scores: torch.Tensor, flagged: torch.Tensor, poison_indices: torch.Tensor) -> dict:
+    """How well a defence found the poison: precision / recall of the `flagged` mask, and ROC-AUC of
+    `scores` (higher = more suspicious, the rule of every defence here) against the true poison."""
+    from sklearn.metrics import roc_auc_score
+    scores = torch.as_tensor(scores, dtype=torch.float64)
+    truth = torch.zeros(len(scores), dtype=torch.bool)
+    truth[poison_indices] = True
+    tp = int((flagged & truth).sum())
+    auc = float(roc_auc_score(truth.numpy(), scores.numpy())) if 0 < truth.sum() < len(truth) else None
+    return {"precision": tp / max(1, int(flagged.sum())), "recall": tp / max(1, int(truth.sum())), "auc": auc,
+            "flagged": int(flagged.sum())}

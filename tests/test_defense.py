@@ -4,7 +4,7 @@ import torch
 from pbe import metrics
 from pbe.activations import detect, label_concentration, neuron_overlap
 from pbe.adversarial import PGDConfig, adversarial_examples, pgd, success_rate
-from pbe.defense import Evaluation, Schedule, aft, erase
+from pbe.defenses import Evaluation, Schedule, aft, erase
 from pbe.demo import DIGITS_PGD, DIGITS_SCHEDULE
 
 
@@ -143,7 +143,7 @@ def test_universal_and_mixed_batch_levers(blend_model, monkeypatch):
     batch; adv_share leaves the rest of an adversarial batch clean; both are counted in the cost."""
     from dataclasses import replace
 
-    import pbe.defense as defense
+    import pbe.defenses.pbe as defense
     from pbe.adversarial import UniversalConfig
     model, _, poisoned = blend_model
     seen = {"universal": 0, "pgd_images": 0}

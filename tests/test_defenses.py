@@ -6,7 +6,7 @@ import torch
 
 from pbe import defenses
 from pbe.data import ImageDataset
-from pbe.defense import Evaluation
+from pbe.defenses import Evaluation
 from pbe.utils import PBEError
 
 # small budgets that keep each run to seconds on 8x8 digits

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from pbe.defenses.ac import ActivationClustering
 from pbe.defenses.anp import ANP
-from pbe.defenses.base import SETTINGS, Context, Defense, DefenseResult
+from pbe.defenses.base import SETTINGS, Context, Cost, Defense, DefenseResult, Evaluation
 from pbe.defenses.filtering import FilteringDefense
 from pbe.defenses.fp import FinePruning
 from pbe.defenses.ft import FineTuning
 from pbe.defenses.ibau import IBAU
 from pbe.defenses.nad import NAD
-from pbe.defenses.pbe_aft import AFT, PBE
+from pbe.defenses.aft import AFT, aft
+from pbe.defenses.pbe import PBE, SCHEDULES, Schedule, erase, get_schedule
 from pbe.defenses.ss import SpectralSignatures
 from pbe.defenses.strip import STRIP
 from pbe.utils import PBEError
@@ -36,4 +37,5 @@ def create(name: str, **params) -> Defense:
     return REGISTRY[name](**params)
 
 
-__all__ = ["REGISTRY", "SETTINGS", "Context", "Defense", "DefenseResult", "FilteringDefense", "available", "create"]
+__all__ = ["REGISTRY", "SCHEDULES", "SETTINGS", "Context", "Cost", "Defense", "DefenseResult", "Evaluation",
+           "FilteringDefense", "Schedule", "aft", "available", "create", "erase", "get_schedule"]

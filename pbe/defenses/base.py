@@ -20,12 +20,37 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from pbe.data import ImageDataset, augment
-from pbe.defense import Cost, Evaluation, ranking_quality
-from pbe.metrics import der, evaluate
+from pbe.metrics import der, evaluate, ranking_quality
 from pbe.train import batches
 from pbe.utils import PBEError, resolve_device, seed_everything, use_all_cpus
 
 SETTINGS = ("clean-extra", "no-clean")
+
+
+class Cost:
+    """Counts image passes to report epoch-equivalents: (forward+backward passes, every PGD step
+    included, plus forward-only passes / 3) / training-set size (../shared/PERF.md)."""
+
+    def __init__(self):
+        self.forward_backward = 0
+        self.forward = 0
+
+    def epoch_equivalents(self, train_size: int) -> float:
+        return (self.forward_backward + self.forward / 3) / train_size
+
+
+@dataclass
+class Evaluation:
+    """Ground truth the *caller* may pass to have the report measure the defence (never used by it)."""
+
+    test_set: ImageDataset | None = None
+    attack: object | None = None  # has apply(x), target, all_to_all
+    poison_indices: torch.Tensor | None = None
+
+
+def measure(model: nn.Module, ev: Evaluation | None) -> dict:
+    """ACC / ASR / RA of `model` on the evaluation's test set ({} without one)."""
+    return evaluate(model, ev.test_set, ev.attack) if ev is not None and ev.test_set is not None else {}
 
 
 @dataclass
@@ -84,12 +109,12 @@ class Defense(ABC):
         ctx = Context(dev, seed_everything(seed), seed, progress, evaluation=evaluation)
         start = time.time()
         model = copy.deepcopy(model).to(dev).eval()
-        before = _measure(model, evaluation)
+        before = measure(model, evaluation)
         model, report, suspected = self._defend(model, data, ctx)
         model.eval()
         n = train_size or len(data)
         report = {"defense": self.name, "setting": self.setting, "params": self.params, "seed": seed,
-                  "data_size": len(data), "train_size": n, "before": before, "after": _measure(model, evaluation),
+                  "data_size": len(data), "train_size": n, "before": before, "after": measure(model, evaluation),
                   **report, "epoch_equivalents": ctx.cost.epoch_equivalents(n),
                   "passes": {"forward_backward": ctx.cost.forward_backward, "forward": ctx.cost.forward},
                   "wall_s": round(time.time() - start, 1)}
@@ -101,8 +126,7 @@ class Defense(ABC):
             if evaluation is not None and evaluation.poison_indices is not None and "scores" in report:
                 flagged = torch.zeros(len(data), dtype=torch.bool)
                 flagged[suspected] = True
-                # ranking_quality ranks low scores as poisoned; filtering scores are "higher = more suspicious"
-                report["detection"] = ranking_quality(-torch.tensor(report["scores"]), flagged,
+                report["detection"] = ranking_quality(torch.as_tensor(report["scores"]), flagged,
                                                       evaluation.poison_indices)
         return DefenseResult(model, report, suspected)
 
@@ -112,12 +136,9 @@ class Defense(ABC):
         """Return the defended model, report entries, and flagged indices (filtering) or None."""
 
 
-def _measure(model, ev: Evaluation | None) -> dict:
-    return evaluate(model, ev.test_set, ev.attack) if ev is not None and ev.test_set is not None else {}
-
-
 # ---------------------------------------------------------------- shared building blocks
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+BatchTransform = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, y) -> x, e.g. adversarial examples
 
 
 def cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -127,18 +148,29 @@ def cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
 def sgd_finetune(model: nn.Module, data: ImageDataset, ctx: Context, *, epochs: int, lr: float,
                  batch_size: int = 256, momentum: float = 0.9, weight_decay: float = 5e-4,
                  crop_padding: int = 4, loss_fn: LossFn = cross_entropy, after_step: Callable[[], None] | None = None,
-                 desc: str = "fine-tune") -> None:
-    """SGD with per-epoch cosine annealing (BackdoorBench's fine-tuning loop) on augmented batches."""
+                 lr_schedule: str = "cosine", transform: BatchTransform | None = None,
+                 on_epoch: Callable[[int], None] | None = None, desc: str = "fine-tune") -> None:
+    """The fine-tuning loop of every repair defence: SGD on shuffled, augmented batches, with per-epoch
+    cosine annealing (BackdoorBench's loop) or a constant lr (the PBE authors'). `transform(x, y)`
+    changes each augmented batch before the step (adversarial examples, with the samples' own labels)
+    and counts its own cost; `on_epoch(epoch)` runs before each epoch."""
+    if lr_schedule not in ("cosine", "constant"):
+        raise PBEError(f"lr_schedule must be 'cosine' or 'constant', got {lr_schedule!r}")
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5 * (1 + math.cos(math.pi * e / epochs))
+                                               if lr_schedule == "cosine" else 1.0)
     bar = tqdm(total=epochs * math.ceil(len(data) / batch_size), desc=desc, disable=not ctx.progress,
                leave=False, unit="batch")
     for epoch in range(epochs):
-        for g in opt.param_groups:
-            g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * epoch / epochs))
+        if on_epoch is not None:
+            on_epoch(epoch)
         model.train()
         for idx in batches(len(data), batch_size, ctx.gen):
             x = augment(data.images[idx].to(ctx.device).float().div_(255), crop_padding, data.flip, ctx.gen)
             y = data.labels[idx].to(ctx.device)
+            if transform is not None:
+                x = transform(x, y)
+                model.train()
             loss = loss_fn(model, x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -147,6 +179,7 @@ def sgd_finetune(model: nn.Module, data: ImageDataset, ctx: Context, *, epochs: 
                 after_step()
             ctx.cost.forward_backward += len(y)
             bar.update(1)
+        scheduler.step()
     bar.close()
     model.eval()
 

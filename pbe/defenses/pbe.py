@@ -1,0 +1,218 @@
+"""Progressive Backdoor Erasing (PBE), without clean data.
+
+Mu et al., "Progressive Backdoor Erasing via connecting Backdoor and Adversarial Attacks", CVPR 2023,
+https://arxiv.org/abs/2202.06312 (see ``../shared/PBE.md``).
+
+Fine-tuning on untargeted adversarial examples labelled with the samples' *own* labels breaks the
+trigger -> target shortcut without knowing the trigger or the target. PBE also finds clean training
+samples by itself: after each round it scores every training image by how much the current model
+disagrees with the original one (poisoned images disagree most) and fine-tunes next on the least
+suspicious share. The defence never looks at the trigger, the target or the poison indices; they
+are used only for the optional evaluation in the report.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pbe.activations import Monitor, monitor, probe_indices
+from pbe.adversarial import PGDConfig, UniversalConfig, apply_universal, pgd, universal_perturbation
+from pbe.data import ImageDataset
+from pbe.defenses.base import Context, Defense, Evaluation, measure, sgd_finetune
+from pbe.metrics import predict, ranking_quality
+from pbe.utils import PBEError
+
+MONITOR_PGD = PGDConfig(eps=6 / 255, steps=5, step=2 / 255)  # the monitor's budget (and `pbe detect`'s)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What PBE does per round t: fine-tune `epochs[t]` epochs on a subset of size `fractions[t]`
+    of the training set (round 0: a random draw), with the first `adv_batches[t]` batches of the
+    round adversarial (None: all of them).
+
+    Levers beyond the paper: `adv_share` (share of an adversarial batch that gets per-image PGD; the
+    rest stays clean, which protects accuracy), and `universal` (a universal perturbation of the
+    current model, re-optimised every epoch on `universal_images` samples of the subset, pasted on a
+    `universal_share` of every batch with the samples' own labels: a trigger-like direction the
+    backdoor opens, unlearned without knowing the trigger)."""
+
+    fractions: tuple[float, ...] = (0.05, 0.3)
+    epochs: tuple[int, ...] = (4, 2)
+    adv_batches: tuple[int | None, ...] = (None, 10)
+    pgd: PGDConfig = PGDConfig(eps=6 / 255, steps=4, step=2 / 255)
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    batch_size: int = 128
+    crop_padding: int = 4
+    early_stop: bool = True  # stop once a backdoor the monitor flagged before the defence is gone
+    probe_size: int = 500  # images attacked for the monitor
+    monitor_pgd: PGDConfig = MONITOR_PGD
+    adv_share: float = 1.0
+    universal: UniversalConfig | None = None
+    universal_share: float = 0.0
+    universal_images: int = 512
+
+    def __post_init__(self):
+        n = len(self.fractions)
+        if not (len(self.epochs) == len(self.adv_batches) == n) or n == 0:
+            raise PBEError("schedule: fractions, epochs and adv_batches need one entry per round")
+        if any(not 0 < f <= 1 for f in self.fractions):
+            raise PBEError(f"schedule fractions must be in (0, 1], got {self.fractions}")
+        if any(int(e) < 1 for e in self.epochs):
+            raise PBEError(f"schedule epochs must be >= 1, got {self.epochs}")
+        if not self.lr > 0:
+            raise PBEError(f"schedule lr must be > 0, got {self.lr}")
+        if not (0 <= self.adv_share <= 1 and 0 <= self.universal_share <= 1):
+            raise PBEError(f"adv_share and universal_share must be in [0, 1], got {self.adv_share}, "
+                           f"{self.universal_share}")
+        if self.universal is not None and self.adv_share + self.universal_share > 1:
+            raise PBEError("adv_share + universal_share must be <= 1 (they are disjoint parts of a batch)")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+SCHEDULES = {
+    # the authors' code: 4 rounds of 10 epochs, lr 1e-3, PGD-7 at 6/255, subsets 5/20/50/70%
+    "paper": Schedule(fractions=(0.05, 0.2, 0.5, 0.7), epochs=(10, 10, 10, 10), adv_batches=(None, 31, 31, 31),
+                      pgd=PGDConfig(eps=6 / 255, steps=7), lr=0.001, crop_padding=5, early_stop=False),
+    # the default: two short rounds, fewer PGD steps, early stop (about 2-3 epoch-equivalents)
+    "fast": Schedule(),
+}
+
+
+def get_schedule(schedule: str | Schedule, **overrides) -> Schedule:
+    if isinstance(schedule, str):
+        if schedule not in SCHEDULES:
+            raise PBEError(f"unknown schedule {schedule!r}; available: {', '.join(SCHEDULES)}")
+        schedule = SCHEDULES[schedule]
+    return replace(schedule, **{k: v for k, v in overrides.items() if v is not None})
+
+
+class AdversarialBatches:
+    """The batch transform of PBE and AFT: in the first `adv_batches` batches an `adv_share` of the
+    batch becomes PGD examples of itself; with `s.universal`, a `universal_share` of every batch gets
+    the epoch's universal perturbation (``new_epoch`` re-optimises it). Labels stay the samples' own."""
+
+    def __init__(self, model: nn.Module, data: ImageDataset, s: Schedule, adv_batches: int | None, ctx: Context):
+        self.model, self.data, self.s, self.adv_batches, self.ctx = model, data, s, adv_batches, ctx
+        self.done, self.delta = 0, None
+
+    def new_epoch(self, epoch: int) -> None:
+        s = self.s
+        if s.universal is None or s.universal_share == 0:
+            return
+        pick = torch.randperm(len(self.data), generator=self.ctx.gen)[:s.universal_images]
+        self.delta = universal_perturbation(self.model, self.data.images[pick], self.data.labels[pick], s.universal,
+                                            self.ctx.gen, self.ctx.device)
+        self.ctx.cost.forward_backward += s.universal.epochs * len(pick)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        s, n_adv = self.s, 0
+        if self.adv_batches is None or self.done < self.adv_batches:
+            n_adv = round(s.adv_share * len(x))
+            if n_adv:
+                x = torch.cat([pgd(self.model, x[:n_adv], y[:n_adv], s.pgd, self.ctx.gen), x[n_adv:]])
+                self.ctx.cost.forward_backward += n_adv * s.pgd.steps
+            self.done += 1
+        if self.delta is not None:  # the batch is shuffled: any slice is a random share
+            end = min(len(x), n_adv + round(s.universal_share * len(x)))
+            x = torch.cat([x[:n_adv], apply_universal(x[n_adv:end], self.delta, s.universal, self.ctx.gen), x[end:]])
+        return x
+
+
+def adversarial_finetune(model: nn.Module, data: ImageDataset, epochs: int, adv_batches: int | None, s: Schedule,
+                         ctx: Context, desc: str) -> None:
+    """Fine-tune on `data` with the shared loop, the adversarial batches of `s` and its constant lr."""
+    batches = AdversarialBatches(model, data, s, adv_batches, ctx)
+    sgd_finetune(model, data, ctx, epochs=epochs, lr=s.lr, batch_size=s.batch_size, momentum=s.momentum,
+                 weight_decay=s.weight_decay, crop_padding=s.crop_padding, lr_schedule="constant",
+                 transform=batches, on_epoch=batches.new_epoch, desc=desc)
+
+
+def run_monitor(model, data: ImageDataset, probe: torch.Tensor, s: Schedule, ctx: Context) -> Monitor:
+    ctx.cost.forward_backward += len(probe) * s.monitor_pgd.steps
+    ctx.cost.forward += 2 * len(probe)
+    return monitor(model, data.images[probe], data.labels[probe], data.num_classes, s.monitor_pgd)
+
+
+class PBE(Defense):
+    """Progressive Backdoor Erasing without clean data (Mu et al., CVPR 2023,
+    https://arxiv.org/abs/2202.06312).
+
+    Arguments:
+        schedule (str | Schedule): a name in ``SCHEDULES`` (``"fast"``, default; ``"paper"``: the
+            authors' 4 rounds x 10 epochs, lr 1e-3, PGD-7 at 6/255, subsets 5/20/50/70 %) or a ``Schedule``.
+        lr (float | None): overrides the schedule's learning rate (default None: keep it).
+
+    The report holds, per round, the selected subset, the monitor and (with an ``Evaluation``)
+    ACC / ASR / RA and the ranking quality; ``scores`` are per-sample suspicion (higher = more
+    suspicious: disagreement with the infected model).
+
+    Example::
+
+        >>> result = pbe.defenses.create("pbe", schedule="fast")(model, poisoned_train_set)
+        >>> result.model, result.report["rounds"][-1]["monitor"]["suspected"]
+    """
+
+    name = "pbe"
+    setting = "no-clean"
+    defaults = {"schedule": "fast", "lr": None}
+
+    def __init__(self, schedule: str | Schedule = "fast", lr: float | None = None):
+        if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
+            raise PBEError(f"pbe: unknown schedule {schedule!r}; available: {', '.join(SCHEDULES)}")
+        if lr is not None and not (isinstance(lr, (int, float)) and lr > 0):
+            raise PBEError(f"pbe: lr must be a positive number, got {lr!r}")
+        super().__init__(schedule=schedule, lr=lr)
+
+    def _defend(self, model, data, ctx: Context):
+        s = get_schedule(self.params["schedule"], lr=self.params["lr"])
+        if len(data) < 10:
+            raise PBEError("pbe needs the (possibly poisoned) training set; got fewer than 10 samples")
+        n, ev = len(data), ctx.evaluation
+        original = copy.deepcopy(model).eval()
+        z0 = predict(original, data.images, return_logits=True)
+        ctx.cost.forward += n
+        probe = probe_indices(data.labels, s.probe_size, ctx.seed)
+        before_mon = run_monitor(model, data, probe, s, ctx).as_dict()
+        report = {"schedule": s.as_dict(), "probe_indices": probe.tolist(), "monitor_before": before_mon,
+                  "rounds": []}
+        subset = torch.randperm(n, generator=ctx.gen)[:max(1, round(s.fractions[0] * n))].sort().values
+        stopped = False
+        for t in range(len(s.fractions)):
+            adversarial_finetune(model, data.subset(subset), s.epochs[t], s.adv_batches[t], s, ctx,
+                                 f"PBE round {t + 1}/{len(s.fractions)}")
+            z = predict(model, data.images, return_logits=True)
+            ctx.cost.forward += n
+            suspicion = 0.5 - 0.5 * F.cosine_similarity(z0, z, dim=1)  # higher = more suspicious
+            mon = run_monitor(model, data, probe, s, ctx)
+            row = {"round": t + 1, "subset_size": len(subset), "subset_indices": subset.tolist(),
+                   "epochs": s.epochs[t], "monitor": mon.as_dict(), "metrics": measure(model, ev),
+                   "epoch_equivalents": ctx.cost.epoch_equivalents(n)}
+            if ev is not None and ev.poison_indices is not None:
+                row["detection"] = ranking_quality(suspicion, z.argmax(1) != z0.argmax(1), ev.poison_indices)
+            report["rounds"].append(row)
+            # stop early only on evidence: the monitor flagged a backdoor before and no longer does
+            if s.early_stop and before_mon["suspected"] and not mon.suspected:
+                stopped = t + 1 < len(s.fractions)
+                break
+            if t + 1 < len(s.fractions):
+                subset = (-suspicion).topk(max(1, round(s.fractions[t + 1] * n))).indices.sort().values
+        report.update(scores=[round(float(v), 6) for v in suspicion], stopped_early=stopped,
+                      monitor_after=report["rounds"][-1]["monitor"])
+        return model, report, None
+
+
+def erase(model: nn.Module, train_set: ImageDataset, schedule: str | Schedule = "fast", *, seed: int = 0,
+          device="auto", progress: bool = True, evaluation: Evaluation | None = None) -> tuple[nn.Module, dict]:
+    """PBE without clean data: ``(purified copy of model, report)``; see ``PBE``."""
+    result = PBE(schedule=schedule)(model, train_set, seed=seed, device=device, progress=progress,
+                                    evaluation=evaluation)
+    return result.model, result.report
