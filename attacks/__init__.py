@@ -12,24 +12,17 @@ from attacks.blend import Blend
 from attacks.input_aware import InputAware
 from attacks.sig import SIG
 from attacks.wanet import WaNet
-from pbe.utils import PBEError
+from pbe.registry import Registry
 
-REGISTRY: dict[str, type[BackdoorAttack]] = {
-    cls.name: cls for cls in (BadNets, Blend, SIG, WaNet, InputAware)
-}
-
-
-def available() -> list[str]:
-    return sorted(REGISTRY)
+REGISTRY: Registry[type[BackdoorAttack]] = Registry("attack")
+for _cls in (BadNets, Blend, SIG, WaNet, InputAware):
+    REGISTRY.register(_cls.name, _cls)
+available = REGISTRY.available
 
 
 def create(name: str, **params) -> BackdoorAttack:
-    if name not in REGISTRY:
-        raise PBEError(f"unknown attack {name!r}; available: {', '.join(available())}")
-    try:
-        return REGISTRY[name](**params)
-    except TypeError as err:
-        raise PBEError(f"bad parameters for attack {name!r}: {err}") from err
+    """``attacks.create("badnets", target=0, size=3)``; register your own with ``REGISTRY.register``."""
+    return REGISTRY.create(name, **params)
 
 
 def load(path) -> BackdoorAttack:
@@ -37,4 +30,5 @@ def load(path) -> BackdoorAttack:
     return load_state(path, REGISTRY)
 
 
-__all__ = ["BackdoorAttack", "PoisonedDataset", "create", "load", "available", *REGISTRY]
+__all__ = ["REGISTRY", "BackdoorAttack", "PoisonedDataset", "create", "load", "available", "BadNets", "Blend", "SIG",
+           "WaNet", "InputAware"]

@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from pbe.registry import Registry
 from pbe.utils import PBEError, atomic_path
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp")
@@ -81,18 +82,17 @@ def validate(ds: ImageDataset) -> None:
 
 # ---------------------------------------------------------------- registry
 Loader = Callable[..., ImageDataset]
-_LOADERS: dict[str, Loader] = {}
+DATASETS: Registry[Loader] = Registry("dataset")
+PATH_SCHEMES = ("imagefolder:<path>", "npz:<path>")
 
 
 def register(name: str) -> Callable[[Loader], Loader]:
-    def deco(fn: Loader) -> Loader:
-        _LOADERS[name] = fn
-        return fn
-    return deco
+    """Decorator: ``@register("mydata")`` on ``loader(root, split, download=False, **kw) -> ImageDataset``."""
+    return DATASETS.register(name)
 
 
 def available() -> list[str]:
-    return sorted(_LOADERS) + ["imagefolder:<path>", "npz:<path>"]
+    return DATASETS.available() + list(PATH_SCHEMES)
 
 
 def load(name: str, root: str | os.PathLike | None = None, split: str = "train",
@@ -104,11 +104,11 @@ def load(name: str, root: str | os.PathLike | None = None, split: str = "train",
         return load_imagefolder(name.split(":", 1)[1], split, **kwargs)
     if name.startswith("npz:"):
         return load_npz_dir(name.split(":", 1)[1], split, **kwargs)
-    if name not in _LOADERS:
+    if name not in DATASETS:
         raise PBEError(f"unknown dataset {name!r}; available: {', '.join(available())}")
     if name != "digits" and root is None:
         raise PBEError(f"dataset {name!r} needs a root folder (--data-root); 'digits' needs none")
-    return _LOADERS[name](root=None if root is None else Path(root), split=split, download=download, **kwargs)
+    return DATASETS.get(name)(root=None if root is None else Path(root), split=split, download=download, **kwargs)
 
 
 def _missing(name: str, looked: list[Path], how: str) -> PBEError:

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pbe.registry import Registry
 from pbe.utils import PBEError
 
 DATASET_STATS = {
@@ -126,34 +127,30 @@ class SmallVGG(nn.Module):
 
 
 # ---------------------------------------------------------------- registry
-_MODELS: dict[str, Callable[..., nn.Module]] = {
-    "preact_resnet18": PreActResNet18,
-    "small_cnn": SmallCNN,
-    "small_vgg": SmallVGG,
-}
-
-
-def available() -> list[str]:
-    return sorted(_MODELS)
+MODELS: Registry[Callable[..., nn.Module]] = Registry("model")
+for _name, _factory in (("preact_resnet18", PreActResNet18), ("small_cnn", SmallCNN), ("small_vgg", SmallVGG)):
+    MODELS.register(_name, _factory)
+available = MODELS.available
 
 
 def register(name: str, factory: Callable[..., nn.Module]) -> None:
-    _MODELS[name] = factory
+    """Add a model: `factory(num_classes=, in_channels=, mean=, std=, **kw)` returns an nn.Module
+    that takes [0, 1] inputs (normalise inside, e.g. with ``Normalize``)."""
+    MODELS.register(name, factory)
 
 
 def create(name: str, num_classes: int, in_channels: int = 3, dataset: str | None = None,
            seed: int | None = None, **kw) -> nn.Module:
     """Build a registered model; `dataset` fills in its normalisation statistics when known, and
     `seed` makes the initial weights reproducible (without touching the global random state)."""
-    if name not in _MODELS:
-        raise PBEError(f"unknown model {name!r}; available: {', '.join(available())}")
+    factory = MODELS.get(name)
     if dataset in DATASET_STATS and "mean" not in kw and len(DATASET_STATS[dataset][0]) == in_channels:
         kw["mean"], kw["std"] = DATASET_STATS[dataset]
     try:
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
                 torch.manual_seed(seed)
-            model = _MODELS[name](num_classes=num_classes, in_channels=in_channels, **kw)
+            model = factory(num_classes=num_classes, in_channels=in_channels, **kw)
     except TypeError as err:
         raise PBEError(f"bad arguments for model {name!r}: {err}") from err
     model.pbe_spec = {"name": name, "num_classes": num_classes, "in_channels": in_channels,

@@ -21,20 +21,24 @@ from pbe.defenses.aft import AFT, aft
 from pbe.defenses.pbe import PBE, SCHEDULES, Schedule, erase, get_schedule
 from pbe.defenses.ss import SpectralSignatures
 from pbe.defenses.strip import STRIP
+from pbe.registry import Registry
 from pbe.utils import PBEError
 
-REGISTRY: dict[str, type[Defense]] = {cls.name: cls for cls in (
-    FineTuning, FinePruning, NAD, ANP, IBAU, AFT, PBE, ActivationClustering, SpectralSignatures, STRIP)}
+REGISTRY: Registry[type[Defense]] = Registry("defence")
+for _cls in (FineTuning, FinePruning, NAD, ANP, IBAU, AFT, PBE, ActivationClustering, SpectralSignatures, STRIP):
+    REGISTRY.register(_cls.name, _cls)
 
 
 def available(setting: str | None = None) -> list[str]:
+    """Registered defences (of one setting: "clean-extra" or "no-clean"), sorted."""
+    if setting is not None and setting not in SETTINGS:
+        raise PBEError(f"unknown setting {setting!r}; use one of {SETTINGS}")
     return [n for n, cls in REGISTRY.items() if setting is None or cls.setting == setting]
 
 
 def create(name: str, **params) -> Defense:
-    if name not in REGISTRY:
-        raise PBEError(f"unknown defence {name!r}; available: {', '.join(REGISTRY)}")
-    return REGISTRY[name](**params)
+    """``defenses.create("nad", epochs=20)``; register your own with ``REGISTRY.register``."""
+    return REGISTRY.create(name, **params)
 
 
 __all__ = ["REGISTRY", "SCHEDULES", "SETTINGS", "Context", "Cost", "Defense", "DefenseResult", "Evaluation",
