@@ -227,8 +227,8 @@ def build(name: str, data_root: str | Path | None = None, runs: str | Path = "ru
     entry = get(name)
     previous = row(name) if is_built(name) else None
     if previous and not force:
-        print(f"{name}: built (acc {previous['acc']:.4f}, asr {previous['asr'] if previous['asr'] is None else round(previous['asr'], 4)}); "
-              "skipped", flush=True)
+        asr = "–" if previous["asr"] is None else f"{previous['asr']:.4f}"
+        print(f"{name}: built (acc {previous['acc']:.4f}, asr {asr}); skipped", flush=True)
         return previous
     data_root = Path(data_root) if data_root is not None else default_data_root(entry.dataset)
     if data_root is not None:
@@ -245,8 +245,8 @@ def build(name: str, data_root: str | Path | None = None, runs: str | Path = "ru
         new["reproduces"] = new["sha256"] == previous["sha256"]
         print(f"{name}: rebuilt weights {'reproduce' if new['reproduces'] else 'DIFFER FROM'} the committed "
               f"sha256 {previous['sha256'][:12]}", flush=True)
-        if not new["reproduces"]:
-            return new  # the committed entry stays; the rebuild is left in `runs` for inspection
+        # either way the committed entry stays as it is; a differing rebuild is left in `runs` to inspect
+        return {**previous, "reproduces": new["reproduces"], "rebuild_wall_s": new["wall_s"]}
     _install(entry, out, new)
     print(f"{name}: acc {new['acc']:.4f} asr {new['asr']} wall {new['wall_s']:.0f}s", flush=True)
     return new
@@ -259,7 +259,7 @@ def _install(entry: Entry, out: Path, new: dict) -> None:
     for f in ENTRY_FILES + (ATTACK_FILES if entry.infected else ()):
         with atomic_path(dest / f) as tmp:
             shutil.copyfile(out / f, tmp)
-    write_json(dest / "row.json", {k: v for k, v in new.items() if k != "reproduces"})
+    write_json(dest / "row.json", new)
     render()
 
 
