@@ -13,7 +13,7 @@ import argparse
 import time
 
 import torch
-from common import HERE, same_zoo_model, zoo_models
+from common import HERE, same_zoo_model, zoo_cell, zoo_models
 
 from pbe import models, zoo
 from pbe.activations import neuron_overlap, probe_indices
@@ -55,11 +55,9 @@ class PremiseTable(ResultsTable):
 
 
 def plot(rows: list[dict], path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    from pbe.plots import _plt
     from pbe.utils import atomic_path
+    plt = _plt()
     infected = [r for r in rows if r["attack"] != "none"]
     if not infected:
         return
@@ -129,10 +127,7 @@ def main() -> None:
         if not zoo.is_built(entry.name):
             print(f"skip {entry.name}: not built yet")
             continue
-        cell = dict(dataset=args.dataset, model=zoo.row(entry.name)["model"], recipe=entry.recipe,
-                    attack=entry.attack, rate=zoo.row(entry.name)["rate"], target=zoo.row(entry.name)["target"],
-                    all_to_all=entry.all_to_all, defense="none", setting=None, seed=args.seed, zoo=entry.name)
-        if same_zoo_model(table.find(**cell), entry):
+        if same_zoo_model(table.find(**zoo_cell(entry, "none", None, args.seed)), entry):
             print(f"skip {entry.name}: already in the table")
             continue
         row = measure(entry, args.probe, args.seed)

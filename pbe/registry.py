@@ -15,6 +15,13 @@ from pbe.utils import PBEError
 T = TypeVar("T")
 
 
+def unknown_name(kind: str, name: object, names: list[str]) -> PBEError:
+    """The one error for a name that is not there: close matches first, then every valid name."""
+    near = difflib.get_close_matches(str(name), names, n=3)
+    hint = f" (did you mean {', '.join(near)}?)" if near else ""
+    return PBEError(f"unknown {kind} {name!r}{hint}; available: {', '.join(names)}")
+
+
 class Registry(Generic[T]):
     """Names -> factories (classes or functions), listed sorted; a user registers their own the same way."""
 
@@ -36,9 +43,7 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         if name not in self._items:
-            near = difflib.get_close_matches(str(name), list(self._items), n=3)
-            hint = f" (did you mean {', '.join(near)}?)" if near else ""
-            raise PBEError(f"unknown {self.kind} {name!r}{hint}; available: {', '.join(self.available())}")
+            raise unknown_name(self.kind, name, self.available())
         return self._items[name]
 
     def create(self, name: str, *args, **kwargs):

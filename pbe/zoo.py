@@ -13,7 +13,6 @@ collected in ``experiments/zoo/zoo.json`` and rendered to ``experiments/zoo/READ
 """
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import os
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch.nn as nn
 
 from pbe.data import ImageDataset
+from pbe.registry import unknown_name
 from pbe.utils import PBEError, atomic_path, toolkit_version, write_json
 
 REPO = Path(__file__).resolve().parent.parent
@@ -123,9 +123,7 @@ def available(zoo_set: str | None = None) -> list[str]:
 def get(name: str) -> Entry:
     found = entries()
     if name not in found:
-        near = difflib.get_close_matches(name, list(found), n=3)
-        hint = f" (did you mean {', '.join(near)}?)" if near else ""
-        raise PBEError(f"unknown zoo entry {name!r}{hint}; available: {', '.join(found)}")
+        raise unknown_name("zoo entry", name, list(found))
     return found[name]
 
 
