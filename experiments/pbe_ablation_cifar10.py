@@ -40,6 +40,11 @@ VARIANTS = {
     "uni_l2_clean": ("universal L2 4 on a third of every batch, the rest clean (no PGD), lr 1e-3",
                      replace(FAST, adv_share=0.0, universal=UNI_L2, universal_share=1 / 3, lr=1e-3,
                              adv_batches=(None, None), early_stop=False)),
+    "uni_l2_clean_refuse": ("uni_l2_clean + refuse the suspected label's samples (round 1: all of them)",
+                            replace(FAST, adv_share=0.0, universal=UNI_L2, universal_share=1 / 3, lr=1e-3,
+                                    adv_batches=(None, None), early_stop=False, refuse_suspected=True)),
+    "fast_refuse": ("the default + refuse the suspected label's samples (round 1: all of them)",
+                    replace(FAST, refuse_suspected=True)),
     "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
 }
 
@@ -94,7 +99,8 @@ def main() -> None:
                        "zoo_sha256": z.row["sha256"], "variant": variant, "what": what,
                        "schedule_fields": report["schedule"], "stopped_early": report["stopped_early"],
                        "per_round": [{k: rd.get(k) for k in ("round", "subset_size", "metrics", "detection",
-                                                              "epoch_equivalents")} for rd in report["rounds"]]})
+                                                              "epoch_equivalents")} for rd in report["rounds"]],
+                       "suspected_label": report.get("suspected_label")})
             print(f"{entry.name} {variant}: acc {b['acc']:.4f}->{a['acc']:.4f} asr {b['asr']:.4f}->{a['asr']:.4f} "
                   f"ee {report['epoch_equivalents']:.2f} wall {report['wall_s']:.0f}s", flush=True)
 

@@ -172,3 +172,22 @@ def test_universal_and_mixed_batch_levers(blend_model, monkeypatch):
         replace(s, adv_share=0.8, universal_share=0.5)
     with pytest.raises(Exception, match="must be in \\[0, 1\\]"):
         replace(s, adv_share=1.5)
+
+
+def test_refuse_suspected_lever(blend_model):
+    """refuse_suspected names the label a universal perturbation collapses on (the Blend target 0
+    here), keeps every sample of it out of round 1, and later refuses those the model moved off it."""
+    from dataclasses import replace
+
+    model, attack, poisoned = blend_model
+    s = replace(DIGITS_SCHEDULE, refuse_suspected=True, early_stop=False)
+    _, report = erase(model, poisoned, s, seed=0, progress=False)
+    suspect = report["suspected_label"]
+    assert suspect["label"] == attack.target, suspect
+    first = torch.tensor(report["rounds"][0]["subset_indices"])
+    assert (poisoned.labels[first] != suspect["label"]).all()
+    plain = replace(s, refuse_suspected=False)
+    _, report_plain = erase(model, poisoned, plain, seed=0, progress=False)
+    assert "suspected_label" not in report_plain
+    assert (poisoned.labels[torch.tensor(report_plain["rounds"][0]["subset_indices"])] == attack.target).any()
+    assert report["passes"]["forward_backward"] > report_plain["passes"]["forward_backward"]

@@ -13,6 +13,7 @@ are used only for the optional evaluation in the report.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -27,6 +28,9 @@ from pbe.metrics import predict, ranking_quality
 from pbe.utils import PBEError
 
 MONITOR_PGD = PGDConfig(eps=6 / 255, steps=5, step=2 / 255)  # the monitor's budget (and `pbe detect`'s)
+# the universal perturbation that names the label a backdoor opens: L2 norm 4 on a 3x32x32 image (the
+# premise table's finding on CIFAR-10), i.e. this root-mean-square change per pixel at any image size
+SUSPECT_L2_RMS = 4.0 / math.sqrt(3 * 32 * 32)
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,11 @@ class Schedule:
     rest stays clean, which protects accuracy), and `universal` (a universal perturbation of the
     current model, re-optimised every epoch on `universal_images` samples of the subset, pasted on a
     `universal_share` of every batch with the samples' own labels: a trigger-like direction the
-    backdoor opens, unlearned without knowing the trigger)."""
+    backdoor opens, unlearned without knowing the trigger), and `refuse_suspected` (before round 1,
+    one universal perturbation of the infected model names the label its fooled images collapse on;
+    round 1 never trains on samples of that label, later rounds refuse those of its samples whose
+    prediction the purification moved away from it: an all-to-one backdoor's poison all carries the
+    target label, so the first round cannot re-learn it)."""
 
     fractions: tuple[float, ...] = (0.05, 0.3)
     epochs: tuple[int, ...] = (4, 2)
@@ -57,6 +65,7 @@ class Schedule:
     universal: UniversalConfig | None = None
     universal_share: float = 0.0
     universal_images: int = 512
+    refuse_suspected: bool = False
 
     def __post_init__(self):
         n = len(self.fractions)
@@ -142,6 +151,23 @@ def run_monitor(model, data: ImageDataset, probe: torch.Tensor, s: Schedule, ctx
     return monitor(model, data.images[probe], data.labels[probe], data.num_classes, s.monitor_pgd)
 
 
+def suspected_label(model: nn.Module, data: ImageDataset, s: Schedule, ctx: Context) -> dict:
+    """The label that one universal L2 perturbation of `model` (``SUSPECT_L2_RMS`` per pixel), optimised
+    on `s.universal_images` training samples, sends most of its fooled images to, with that share."""
+    pick = torch.randperm(len(data), generator=ctx.gen)[:s.universal_images]
+    x, y = data.images[pick], data.labels[pick]
+    cfg = UniversalConfig(kind="l2", eps=SUSPECT_L2_RMS * math.sqrt(x[0].numel()))
+    delta = universal_perturbation(model, x, y, cfg, ctx.gen, ctx.device)
+    pred = predict(model, apply_universal(x.float() / 255, delta, cfg, ctx.gen))
+    ctx.cost.forward_backward += cfg.epochs * len(pick)
+    ctx.cost.forward += len(pick)
+    fooled = pred[pred != y]
+    if len(fooled) == 0:
+        return {"label": -1, "share": 0.0, "fooled": 0}
+    counts = torch.bincount(fooled, minlength=data.num_classes)
+    return {"label": int(counts.argmax()), "share": float(counts.max() / len(fooled)), "fooled": len(fooled)}
+
+
 class PBE(Defense):
     """Progressive Backdoor Erasing without clean data (Mu et al., CVPR 2023,
     https://arxiv.org/abs/2202.06312).
@@ -184,7 +210,12 @@ class PBE(Defense):
         before_mon = run_monitor(model, data, probe, s, ctx).as_dict()
         report = {"schedule": s.as_dict(), "probe_indices": probe.tolist(), "monitor_before": before_mon,
                   "rounds": []}
-        subset = torch.randperm(n, generator=ctx.gen)[:max(1, round(s.fractions[0] * n))].sort().values
+        allowed = torch.ones(n, dtype=torch.bool)
+        if s.refuse_suspected:
+            report["suspected_label"] = suspect = suspected_label(original, data, s, ctx)
+            allowed = data.labels != suspect["label"]
+        pool = allowed.nonzero().flatten()
+        subset = pool[torch.randperm(len(pool), generator=ctx.gen)[:max(1, round(s.fractions[0] * n))]].sort().values
         stopped = False
         for t in range(len(s.fractions)):
             adversarial_finetune(model, data.subset(subset), s.epochs[t], s.adv_batches[t], s, ctx,
@@ -204,7 +235,11 @@ class PBE(Defense):
                 stopped = t + 1 < len(s.fractions)
                 break
             if t + 1 < len(s.fractions):
-                subset = (-suspicion).topk(max(1, round(s.fractions[t + 1] * n))).indices.sort().values
+                if s.refuse_suspected:  # a suspected-label sample stays out unless the model still says so
+                    allowed = (data.labels != suspect["label"]) | (z.argmax(1) == suspect["label"])
+                score = suspicion.masked_fill(~allowed, float("inf"))
+                k = min(int(allowed.sum()), max(1, round(s.fractions[t + 1] * n)))
+                subset = (-score).topk(k).indices.sort().values
         report.update(scores=[round(float(v), 6) for v in suspicion], stopped_early=stopped,
                       monitor_after=report["rounds"][-1]["monitor"])
         return model, report, None
