@@ -11,10 +11,23 @@ PATTERNS = ("checkerboard", "white", "random")
 
 
 class BadNets(BackdoorAttack):
-    """Patch of `size` x `size` pixels, `margin` pixels from `corner`.
+    """BadNets (Gu, Dolan-Gavitt & Garg, 2017, https://arxiv.org/abs/1708.06733): a `size` x `size`
+    patch pasted `margin` pixels from `corner`.
 
-    pattern: "checkerboard" (black/white, the PBE paper's 3x3 default), "white", "random" (a seeded
-    random colour per pixel and channel), or a tensor (size, size) / (C, size, size) in [0, 1].
+    Arguments:
+        target (int): the target label of an all-to-one backdoor (default 0).
+        all_to_all (bool): label y -> (y + 1) mod C instead (default False).
+        seed (int): seeds the trigger (default 0).
+        size (int): patch side in pixels (default 3, the PBE paper's).
+        pattern (str | Tensor): "checkerboard" (black/white, default), "white", "random" (a seeded random
+            colour per pixel and channel), or a tensor (size, size) / (C, size, size) in [0, 1].
+        corner (str): "bottom-right" (default), "bottom-left", "top-left" or "top-right".
+        margin (int): distance from the corner in pixels (default 0).
+
+    Example::
+
+        >>> attack = attacks.create("badnets", target=3, size=4, pattern="random", corner="top-left")
+        >>> poisoned_train, _ = attack.plant(model, train_set, test_set, rate=0.05)
     """
 
     name = "badnets"

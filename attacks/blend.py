@@ -12,10 +12,22 @@ SMOOTH_GRID = 4  # control points per side of the smooth key
 
 
 class Blend(BackdoorAttack):
-    """`key`: "noise" (default: a seeded uniform-noise image), "smooth" (seeded 4x4 colour noise upsampled
-    bicubically: a smooth, image-like key), or a tensor (C, H, W)/(H, W) in [0, 1] of any size
-    (resized to the images). Separate `alpha_train` (poisoning) and `alpha_test` (evaluation);
-    both default to BackdoorBench's 0.2 (the PBE paper evaluates at 0.1).
+    """Blend (Chen et al., 2017, https://arxiv.org/abs/1712.05526): x' = (1 - alpha) x + alpha key.
+
+    Arguments:
+        target (int): the target label of an all-to-one backdoor (default 0).
+        all_to_all (bool): label y -> (y + 1) mod C instead (default False).
+        seed (int): seeds the trigger (default 0).
+        alpha_train (float): blend ratio of the poisoned training images (default 0.2, BackdoorBench's).
+        alpha_test (float): blend ratio at evaluation (default 0.2; the PBE paper evaluates at 0.1).
+        key (str | Tensor): "noise" (default: a seeded uniform-noise image), "smooth" (seeded 4x4 colour
+            noise upsampled bicubically: an image-like key), or a tensor (C, H, W) / (H, W) in [0, 1] of
+            any size (resized to the images).
+
+    Example::
+
+        >>> attack = attacks.create("blend", target=7, key="smooth")
+        >>> poisoned_train, _ = attack.plant(model, train_set, test_set, rate=0.1)
     """
 
     name = "blend"

@@ -68,6 +68,28 @@ def _diversity(x1, x2, p1, p2) -> torch.Tensor:
 
 
 class InputAware(BackdoorAttack):
+    """Input-aware dynamic backdoor (Nguyen & Tran, NeurIPS 2020, https://arxiv.org/abs/2010.08138): a
+    trigger generator and a mask network trained with the classifier (see the module docstring).
+
+    Arguments:
+        target (int): the target label of an all-to-one backdoor (default 0).
+        all_to_all (bool): label y -> (y + 1) mod C instead (default False).
+        seed (int): seeds the trigger (default 0).
+        cross_ratio (float): cross-trigger samples per poisoned sample (default 1.0).
+        mask_epochs (int): epochs of the mask network's first stage (default 25, the paper's).
+        lr_g (float): Adam learning rate of the pattern generator (default 0.01).
+        lr_m (float): Adam learning rate of the mask network (default 0.01).
+        lambda_div (float): weight of the diversity loss (default 1.0).
+        lambda_norm (float): weight of the mask-density penalty (default 100.0).
+        mask_density (float): mask density above which it is penalised (default 0.032).
+        channel_init (int | None): generator width (default None: by image size, as the paper).
+
+    Example::
+
+        >>> attack = attacks.create("input_aware", target=6, mask_epochs=1)
+        >>> poisoned_train, _ = attack.plant(model, train_set, test_set, rate=0.1, recipe="cpu")
+    """
+
     name = "input_aware"
 
     def __init__(self, target=0, all_to_all=False, seed=0, cross_ratio=1.0, mask_epochs=25, lr_g=0.01,

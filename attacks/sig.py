@@ -10,11 +10,24 @@ from pbe.utils import PBEError
 
 
 class SIG(BackdoorAttack):
-    """v(i, j) = delta * sin(2 pi j f / W) added to every row and channel, then clipped to [0, 1].
+    """SIG (Barni, Kallas & Tondi, ICIP 2019, https://arxiv.org/abs/1902.11237): the sinusoidal signal
+    v(i, j) = delta * sin(2 pi j f / W) added to every row and channel, then clipped to [0, 1].
 
-    mode "clean_label" (the original: only target-class images are poisoned, labels kept) or
-    "poison_label" (the PBE authors' code). `delta_train` / `delta_test` are in [0, 1] units
-    (default 20/255 for both; the PBE code trains at 10/255 and re-poisons at 20/255 by mistake).
+    Arguments:
+        target (int): the target label of an all-to-one backdoor (default 0).
+        all_to_all (bool): label y -> (y + 1) mod C instead (default False).
+        seed (int): seeds the trigger (default 0).
+        delta_train (float): amplitude on the poisoned training images, in [0, 1] units (default 20/255;
+            the PBE code trains at 10/255 and re-poisons at 20/255 by mistake).
+        delta_test (float): amplitude at evaluation (default 20/255).
+        frequency (float): periods across the image width (default 6).
+        mode (str): "clean_label" (default, the original: only target-class images are poisoned, labels
+            kept) or "poison_label" (the PBE authors' code).
+
+    Example::
+
+        >>> attack = attacks.create("sig", target=2, frequency=10)
+        >>> poisoned_train, _ = attack.plant(model, train_set, test_set, rate=0.08)
     """
 
     name = "sig"

@@ -9,8 +9,23 @@ from pbe.utils import PBEError
 
 
 class WaNet(BackdoorAttack):
-    """Warp field from a k x k grid of uniform noise normalised by its mean absolute value,
-    upsampled bicubically, scaled by strength `s` / image size, times `grid_rescale`.
+    """WaNet (Nguyen & Tran, ICLR 2021, https://arxiv.org/abs/2102.10369): a fixed smooth warp from a
+    k x k grid of uniform noise normalised by its mean absolute value, upsampled bicubically, scaled by
+    strength `s` / image size, times `grid_rescale`.
+
+    Arguments:
+        target (int): the target label of an all-to-one backdoor (default 0).
+        all_to_all (bool): label y -> (y + 1) mod C instead (default False).
+        seed (int): seeds the trigger (default 0).
+        k (int): control grid size (default 4, the paper's).
+        s (float): warp strength (default 0.5).
+        grid_rescale (float): default 1.0.
+        cross_ratio (float): noise-mode samples per poisoned sample (default 2.0).
+
+    Example::
+
+        >>> attack = attacks.create("wanet", target=9, k=8)
+        >>> poisoned_train, _ = attack.plant(model, train_set, test_set, rate=0.1)
 
     Noise mode: ``cross_ratio`` x (number poisoned) further samples get the field plus a random
     per-sample perturbation and keep their true label, so the model learns the exact warp only.

@@ -17,13 +17,12 @@ from common import HERE, same_zoo_model, zoo_cell, zoo_models
 
 from pbe import models, zoo
 from pbe.activations import neuron_overlap, probe_indices
-from pbe.adversarial import PGDConfig, adversarial_examples
+from pbe.adversarial import PAPER_PGD, adversarial_examples
 from pbe.metrics import predict
 from pbe.premise import FAMILIES, label_shares
 from pbe.results import ResultsTable
 from pbe.utils import hardware_string, toolkit_version, use_all_cpus
 
-PAPER_PGD = PGDConfig(eps=6 / 255, steps=7)  # the authors' budget, for the neuron overlap
 TOP_K = 10
 
 

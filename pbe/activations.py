@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 
-from pbe.adversarial import PGDConfig, adversarial_examples
+from pbe.adversarial import MONITOR_PGD, PGDConfig, adversarial_examples
 from pbe.metrics import predict
 from pbe.models import activations
 from pbe.utils import PBEError
@@ -52,8 +52,12 @@ def _source_weighted(pred: torch.Tensor, labels: torch.Tensor, keep: torch.Tenso
     return torch.stack(rows).mean(0) if rows else torch.full((k,), 1.0 / k)
 
 
+PROBE_SIZE = 500  # images the monitor attacks
+KAPPA_THRESHOLD = 0.5  # kappa above which a label is suspected
+
+
 def label_concentration(adv_pred: torch.Tensor, labels: torch.Tensor, runner_up: torch.Tensor, num_classes: int,
-                        threshold: float = 0.5) -> Monitor:
+                        threshold: float = KAPPA_THRESHOLD) -> Monitor:
     """Monitor from adversarial predictions, true labels and clean runner-up labels (pure function)."""
     ok = adv_pred != labels
     adv = _source_weighted(adv_pred, labels, ok, num_classes)
@@ -86,16 +90,16 @@ def probe_indices(labels: torch.Tensor, size: int, seed: int = 0) -> torch.Tenso
 
 
 def monitor(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, num_classes: int,
-            cfg: PGDConfig | None = None, threshold: float = 0.5) -> Monitor:
+            cfg: PGDConfig | None = None, threshold: float = KAPPA_THRESHOLD) -> Monitor:
     """Attack `images` with untargeted PGD and measure how strongly one label attracts them."""
     logits = predict(model, images, return_logits=True)
-    x_adv = adversarial_examples(model, images, labels, cfg or PGDConfig(eps=6 / 255, steps=5, step=2 / 255))
+    x_adv = adversarial_examples(model, images, labels, cfg or MONITOR_PGD)
     return label_concentration(predict(model, x_adv), labels, runner_up_labels(logits, labels), num_classes,
                                threshold)
 
 
-def detect(model: nn.Module, dataset, probe_size: int = 500, cfg: PGDConfig | None = None,
-           threshold: float = 0.5, seed: int = 0) -> Monitor:
+def detect(model: nn.Module, dataset, probe_size: int = PROBE_SIZE, cfg: PGDConfig | None = None,
+           threshold: float = KAPPA_THRESHOLD, seed: int = 0) -> Monitor:
     """Is a backdoor suspected, and which label does it point to? No trigger needed.
 
     `dataset` is any labelled data the defender has (test or training set); a class-balanced probe

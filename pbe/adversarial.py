@@ -17,11 +17,14 @@ import torch.nn.functional as F
 from pbe.utils import PBEError
 
 
+PAPER_EPS = 6 / 255  # the PBE authors' L-inf budget on CIFAR-10
+
+
 @dataclass(frozen=True)
 class PGDConfig:
     """Attack budget. `step` defaults to eps / 5 (the PBE authors' choice); eps is in [0, 1] pixel units."""
 
-    eps: float = 6 / 255
+    eps: float = PAPER_EPS
     steps: int = 7
     step: float | None = None
     norm: str = "linf"
@@ -39,6 +42,10 @@ class PGDConfig:
     @property
     def step_size(self) -> float:
         return self.eps / 5 if self.step is None else self.step
+
+
+PAPER_PGD = PGDConfig(eps=PAPER_EPS, steps=7)  # the authors' PGD-7 at 6/255, step eps / 5
+MONITOR_PGD = PGDConfig(eps=PAPER_EPS, steps=5, step=2 / 255)  # the monitor's budget (`pbe detect`, PBE's early stop)
 
 
 @contextlib.contextmanager

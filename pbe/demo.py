@@ -5,7 +5,6 @@ clean data, and show the same numbers after.
 """
 from __future__ import annotations
 
-import json
 import time
 
 from pbe.adversarial import PGDConfig
@@ -64,13 +63,3 @@ def format_table(result: dict) -> str:
     lines.append(f"\nPBE cost: {result['epoch_equivalents']:.2f} epoch-equivalents; ranking ROC-AUC "
                  f"(poisoned vs clean, evaluation only): {result['ranking_auc']:.3f}; total {result['wall_s']:.0f} s")
     return "\n".join(lines)
-
-
-def cmd_demo(args) -> dict:
-    print("Blend backdoor (noise key, alpha 0.2, target 0, 10% poison) on scikit-learn digits, "
-          "then PBE without clean data...", flush=True)
-    result = run_demo(args.seed, progress=not args.no_progress, out=args.out)
-    print(format_table(result))
-    if args.out is None:
-        print(json.dumps(result))
-    return result

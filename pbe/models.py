@@ -4,6 +4,7 @@ convention works with the rest of the toolkit.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable, Iterable
 
 import torch
@@ -180,24 +181,41 @@ def last_conv_name(model: nn.Module) -> str:
     return names[-1]
 
 
-@torch.no_grad()
-def activations(model: nn.Module, x: torch.Tensor, layers: list[str], batch_size: int = 256) -> dict[str, torch.Tensor]:
-    """Outputs of the named submodules for inputs `x` (eval mode; hooks removed afterwards)."""
+@contextmanager
+def capture(model: nn.Module, layers: Iterable[str | nn.Module], inputs: bool = False):
+    """While inside ``with capture(model, layers) as out:``, every forward pass of `model` stores each
+    layer's output (its first input with `inputs`) in ``out[layer]`` (keyed as given: a name or the
+    module), replacing the previous pass's; the tensors keep their graph. Hooks go on exit."""
     modules = dict(model.named_modules())
-    missing = [n for n in layers if n not in modules]
+    layers = list(layers)
+    missing = [n for n in layers if isinstance(n, str) and n not in modules]
     if missing:
         raise PBEError(f"unknown layer(s) {missing}; see pbe.models.layer_names(model)")
+    out: dict = {}
+
+    def hook(key):
+        return lambda m, i, o: out.__setitem__(key, i[0] if inputs else o)
+    hooks = [(modules[n] if isinstance(n, str) else n).register_forward_hook(hook(n)) for n in layers]
+    try:
+        yield out
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@torch.no_grad()
+def activations(model: nn.Module, x: torch.Tensor, layers: list[str], batch_size: int = 256) -> dict[str, torch.Tensor]:
+    """Outputs of the named submodules for inputs `x` (eval mode)."""
     store: dict[str, list[torch.Tensor]] = {n: [] for n in layers}
-    hooks = [modules[n].register_forward_hook(lambda m, i, o, n=n: store[n].append(o.detach().cpu()))
-             for n in layers]
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     try:
-        for start in range(0, len(x), batch_size):
-            model(x[start:start + batch_size].to(device))
+        with capture(model, layers) as out:
+            for start in range(0, len(x), batch_size):
+                model(x[start:start + batch_size].to(device))
+                for n in layers:
+                    store[n].append(out[n].detach().cpu())
     finally:
-        for h in hooks:
-            h.remove()
         model.train(was_training)
     return {n: torch.cat(v) for n, v in store.items()}

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import difflib
+import inspect
 from typing import Callable, Generic, Iterator, TypeVar
 
 from pbe.utils import PBEError
@@ -49,6 +50,17 @@ class Registry(Generic[T]):
     def create(self, name: str, *args, **kwargs):
         """Call the factory registered as `name`; wrong arguments are one clear error."""
         factory: Callable = self.get(name)  # type: ignore[assignment]
+        try:
+            params = inspect.signature(factory).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            known = [k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+            unknown = sorted(set(kwargs) - set(known))
+            if unknown:
+                hint = difflib.get_close_matches(unknown[0], known, n=1)
+                raise PBEError(f"{self.kind} {name!r}: unknown parameter(s) {unknown}"
+                               + (f" (did you mean {hint[0]!r}?)" if hint else "") + f"; known: {', '.join(known)}")
         try:
             return factory(*args, **kwargs)
         except TypeError as err:

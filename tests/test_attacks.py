@@ -127,3 +127,13 @@ def test_cli_attack_writes_everything(tmp_path):
     assert {"model.safetensors", "attack.safetensors", "attack.json", "poison.json", "metrics.json"} <= names
     info = json.loads((tmp_path / "poison.json").read_text())
     assert len(info["poison_indices"]) == round(0.1 * 1437)
+
+
+def test_every_attack_documents_its_paper_arguments_and_an_example():
+    import inspect
+    for name in attacks.available():
+        cls = attacks.REGISTRY.get(name)
+        doc = cls.__doc__ or ""
+        assert "https://" in doc and "Example" in doc, name
+        for arg in inspect.signature(cls).parameters:
+            assert f"{arg} (" in doc, (name, arg)

@@ -67,6 +67,32 @@ def test_registry_lists_every_defence_and_rejects_bad_input(clean_extra):
         defenses.create("ft")(torch.nn.Linear(2, 2), empty)
 
 
+def test_defence_parameters_are_explicit_typed_and_listed_by_the_cli():
+    """Every defence takes explicit keyword arguments (inspect.signature shows them, `defaults` is read
+    from it), a value of the wrong type is refused by name, and `pbe defend --help` lists them."""
+    import inspect
+
+    from pbe.cli import parser
+    for name in defenses.available():
+        cls = defenses.REGISTRY.get(name)
+        sig = inspect.signature(cls)
+        assert sig.parameters and all(p.kind is p.POSITIONAL_OR_KEYWORD for p in sig.parameters.values())
+        assert cls.defaults == {k: p.default for k, p in sig.parameters.items()}
+        assert cls.__doc__ and "https://" in cls.__doc__ and "Example" in cls.__doc__
+        assert all(k in cls.__doc__ for k in cls.defaults), name
+    for name, bad in (("ft", {"epochs": "10"}), ("ft", {"lr": True}), ("nad", {"betas": 3}),
+                      ("ac", {"retrain": 1}), ("anp", {"threshold": "low"})):
+        with pytest.raises(PBEError, match=f"{name}: parameter {next(iter(bad))} must be"):
+            defenses.create(name, **bad)
+    assert defenses.create("nad", betas=[1.0, 2.0]).params["betas"] == [1.0, 2.0]  # JSON lists stand for tuples
+    assert defenses.create("ft", lr=1).params["lr"] == 1  # an int is a float
+    sub = next(a for a in parser()._actions if a.dest == "command").choices["defend"]
+    help_text = sub.format_help()
+    for name in defenses.available():
+        assert f"  {name} " in help_text
+    assert "once_prune_ratio=0.01" in help_text and "schedule=fast" in help_text
+
+
 @pytest.mark.parametrize("name", list(TINY))
 def test_each_defence_runs_and_keeps_the_architecture(name, badnets_model, clean_extra, digits):
     model = badnets_model[0]

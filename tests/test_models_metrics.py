@@ -42,6 +42,20 @@ def test_activations_by_name_and_hooks_removed():
         models.create("resnet9000", 10)
 
 
+def test_capture_keeps_outputs_or_inputs_with_their_graph_and_removes_hooks():
+    m = models.create("small_cnn", 10, 1, dataset="digits", width=8, seed=0)
+    head = [mod for mod in m.modules() if isinstance(mod, torch.nn.Linear)][-1]
+    x = torch.rand(3, 1, 8, 8)
+    with models.capture(m, [head], inputs=True) as feats, models.capture(m, [models.last_conv_name(m)]) as outs:
+        logits = m(x)
+        assert torch.allclose(head(feats[head]), logits)  # the head's input, as given
+        assert outs[models.last_conv_name(m)].requires_grad
+    assert all(not mod._forward_hooks for mod in m.modules())
+    with pytest.raises(PBEError, match="unknown layer"):
+        with models.capture(m, ["nope"]):
+            pass
+
+
 def test_accuracy_asr_ra_by_hand():
     labels = torch.tensor([0, 1, 2, 3, 1, 0])
     pred = torch.tensor([0, 0, 0, 3, 1, 0])  # triggered predictions, target 0

@@ -16,12 +16,32 @@ import numpy as np
 import torch
 
 from pbe.defenses.base import Context, penultimate
-from pbe.defenses.filtering import RETRAIN_DEFAULTS, FilteringDefense
+from pbe.defenses.filtering import RETRAIN_RECIPE, FilteringDefense
 
 
 class ActivationClustering(FilteringDefense):
+    """Activation clustering (Chen et al., SafeAI@AAAI 2019, https://arxiv.org/abs/1811.03728): per label,
+    two k-means clusters of ICA-reduced penultimate activations; the small one is the poison.
+
+    Arguments:
+        nb_dims (int): ICA dimensions (default 10).
+        size_threshold (float): flag the smaller cluster when it holds at most this share (default 0.35).
+        retrain (str | None): recipe of ``pbe.train`` to retrain on the kept samples (default "cpu";
+            None: return the infected model with the flagged indices).
+        retrain_epochs (int | None): override the recipe's epochs (default None).
+
+    Example::
+
+        >>> result = pbe.defenses.create("ac", retrain=None)(model, poisoned_train_set)
+        >>> result.suspected  # flagged training indices
+    """
+
     name = "ac"
-    defaults = {"nb_dims": 10, "size_threshold": 0.35, **RETRAIN_DEFAULTS}
+
+    def __init__(self, nb_dims: int = 10, size_threshold: float = 0.35, retrain: str | None = RETRAIN_RECIPE,
+                 retrain_epochs: int | None = None):
+        super().__init__(nb_dims=nb_dims, size_threshold=size_threshold, retrain=retrain,
+                         retrain_epochs=retrain_epochs)
 
     def score_and_flag(self, model, data, ctx: Context):
         from sklearn.cluster import KMeans

@@ -10,13 +10,12 @@ from __future__ import annotations
 import torch.nn as nn
 
 from pbe.activations import probe_indices
-from pbe.adversarial import PGDConfig
+from pbe.adversarial import PAPER_PGD, PGDConfig
 from pbe.data import ImageDataset
 from pbe.defenses.base import Context, Defense, Evaluation, measure
 from pbe.defenses.pbe import Schedule, adversarial_finetune, run_monitor
 from pbe.utils import PBEError
 
-AUTHORS_PGD = PGDConfig(eps=6 / 255, steps=7)
 
 
 class AFT(Defense):
@@ -36,7 +35,6 @@ class AFT(Defense):
 
     name = "aft"
     setting = "clean-extra"
-    defaults = {"epochs": 20, "adv_epochs": 3, "lr": 1e-3, "pgd": None, "batch_size": 128, "crop_padding": 4}
 
     def __init__(self, epochs: int = 20, adv_epochs: int = 3, lr: float = 1e-3, pgd: PGDConfig | None = None,
                  batch_size: int = 128, crop_padding: int = 4):
@@ -54,7 +52,7 @@ class AFT(Defense):
     def _defend(self, model, data, ctx: Context):
         p = self.params
         s = Schedule(fractions=(1.0,), epochs=(p["epochs"],), adv_batches=(None,), lr=p["lr"],
-                     pgd=p["pgd"] or AUTHORS_PGD, batch_size=p["batch_size"], crop_padding=p["crop_padding"])
+                     pgd=p["pgd"] or PAPER_PGD, batch_size=p["batch_size"], crop_padding=p["crop_padding"])
         probe = probe_indices(data.labels, min(s.probe_size, len(data)), ctx.seed)
         report = {"schedule": s.as_dict(), "clean_size": len(data),
                   "monitor_before": run_monitor(model, data, probe, s, ctx).as_dict(), "rounds": []}

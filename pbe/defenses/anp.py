@@ -67,10 +67,35 @@ def prune_by_mask(model: nn.Module, masks: dict[str, torch.Tensor], threshold: f
 
 
 class ANP(Defense):
+    """Adversarial neuron pruning (Wu & Wang, NeurIPS 2021, https://arxiv.org/abs/2110.14430): prune the
+    BatchNorm channels most sensitive to a small adversarial perturbation of the weights.
+
+    Arguments:
+        eps (float): bound of the neuron noise (default 0.4).
+        steps (int): noise ascent steps per batch (default 1).
+        alpha (float): weight of the natural loss in the mask objective (default 0.2).
+        lr (float): mask SGD learning rate (default 0.2).
+        iterations (int): mask optimisation batches (default 2000).
+        batch_size (int): default 128.
+        threshold (float | None): mask pruning threshold (default None: chosen by clean accuracy).
+        acc_ratio (float): largest clean-accuracy drop the chosen threshold may cost (default 0.1).
+        pruning_max (float): largest threshold tried (default 0.9).
+        pruning_step (float): threshold grid step (default 0.05).
+
+    Example::
+
+        >>> result = pbe.defenses.create("anp", iterations=500)(model, clean_set, train_size=50_000)
+    """
+
     name = "anp"
     setting = "clean-extra"
-    defaults = {"eps": 0.4, "steps": 1, "alpha": 0.2, "lr": 0.2, "iterations": 2000, "batch_size": 128,
-                "threshold": None, "acc_ratio": 0.1, "pruning_max": 0.9, "pruning_step": 0.05}
+
+    def __init__(self, eps: float = 0.4, steps: int = 1, alpha: float = 0.2, lr: float = 0.2, iterations: int = 2000,
+                 batch_size: int = 128, threshold: float | None = None, acc_ratio: float = 0.1,
+                 pruning_max: float = 0.9, pruning_step: float = 0.05):
+        super().__init__(eps=eps, steps=steps, alpha=alpha, lr=lr, iterations=iterations, batch_size=batch_size,
+                         threshold=threshold, acc_ratio=acc_ratio, pruning_max=pruning_max,
+                         pruning_step=pruning_step)
 
     def _check(self):
         p = self.params

@@ -8,8 +8,11 @@ by default, as in BackdoorBench); ``no-clean`` defences get the possibly poisone
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import time
+import types
+import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
@@ -21,6 +24,7 @@ from tqdm.auto import tqdm
 
 from pbe.data import ImageDataset, augment
 from pbe.metrics import der, evaluate, ranking_quality
+from pbe.models import capture
 from pbe.train import batches
 from pbe.utils import PBEError, resolve_device, seed_everything, use_all_cpus
 
@@ -72,19 +76,56 @@ class Context:
     evaluation: Evaluation | None = None  # for per-round reports only: a defence must not use it
 
 
+def _type_ok(value, hint) -> bool:
+    """Whether `value` fits a simple annotation (int, float, str, bool, tuple, list, a class, their
+    unions with None); an int is a float, a bool is not an int, a list stands for a tuple (JSON)."""
+    if hint is typing.Any:
+        return True
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    hint = typing.get_origin(hint) or hint
+    if not isinstance(hint, type):
+        return True
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is tuple:
+        return isinstance(value, (tuple, list))
+    return isinstance(value, hint)
+
+
+def _hint_name(hint) -> str:
+    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
 class Defense(ABC):
-    """Base class. Subclasses set `name`, `setting`, `defaults` (their paper's or BackdoorBench's
-    hyperparameters) and implement `_defend(model, data, ctx) -> (model, report, suspected)`."""
+    """Base class. A subclass sets `name` and `setting`, takes its hyperparameters (its paper's or
+    BackdoorBench's defaults) as explicit keyword arguments of ``__init__`` that it passes on to
+    ``super().__init__``, and implements `_defend(model, data, ctx) -> (model, report, suspected)`.
+    `defaults` is read from that signature; every value is type-checked against its annotation."""
 
     name: ClassVar[str]
     setting: ClassVar[str]
-    defaults: ClassVar[dict]
+    defaults: ClassVar[dict] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+            cls.defaults = {p.name: p.default for p in params}
 
     def __init__(self, **params):
         unknown = set(params) - set(self.defaults)
         if unknown:
             raise PBEError(f"{self.name}: unknown parameter(s) {sorted(unknown)}; "
                            f"known: {', '.join(sorted(self.defaults))}")
+        hints = typing.get_type_hints(type(self).__init__) if "__init__" in type(self).__dict__ else {}
+        for key, value in params.items():
+            if key in hints and not _type_ok(value, hints[key]):
+                raise PBEError(f"{self.name}: parameter {key} must be {_hint_name(hints[key])}, got {value!r}")
         self.params = {**self.defaults, **params}
         self._check()
 
@@ -195,13 +236,12 @@ def last_linear(model: nn.Module) -> nn.Linear:
 def penultimate(model: nn.Module, images: torch.Tensor, ctx: Context, batch_size: int = 512) -> torch.Tensor:
     """Inputs of the last linear layer (the representation AC and SS cluster), for uint8 images."""
     store: list[torch.Tensor] = []
-    hook = last_linear(model).register_forward_hook(lambda m, i, o: store.append(i[0].flatten(1).float().cpu()))
+    head = last_linear(model)
     model.eval()
-    try:
+    with capture(model, [head], inputs=True) as out:
         for s in range(0, len(images), batch_size):
             model(images[s:s + batch_size].to(ctx.device).float().div_(255))
-    finally:
-        hook.remove()
+            store.append(out[head].flatten(1).float().cpu())
     ctx.cost.forward += len(images)
     return torch.cat(store)
 

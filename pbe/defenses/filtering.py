@@ -16,7 +16,7 @@ from pbe.data import ImageDataset
 from pbe.defenses.base import Context, Defense, fresh_copy
 from pbe.utils import PBEError
 
-RETRAIN_DEFAULTS = {"retrain": "cpu", "retrain_epochs": None}
+RETRAIN_RECIPE = "cpu"  # the zoo's infected models' recipe: retraining on the kept samples is then fair
 
 
 class FilteringDefense(Defense):

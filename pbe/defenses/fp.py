@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from pbe.defenses.base import Context, Defense, sgd_finetune
 from pbe.metrics import accuracy, predict
+from pbe.models import capture
 from pbe.utils import PBEError
 
 
@@ -35,13 +36,11 @@ def last_feature_bn(model: nn.Module) -> tuple[str, nn.BatchNorm2d]:
 def channel_activity(model: nn.Module, bn: nn.BatchNorm2d, images: torch.Tensor, device, batch_size=512):
     """Mean post-ReLU activation of each channel of `bn`'s output over `images`."""
     total: list[torch.Tensor] = []
-    hook = bn.register_forward_hook(lambda m, i, o: total.append(o.clamp(min=0).mean((0, 2, 3)) * len(o)))
     model.eval()
-    try:
+    with capture(model, [bn]) as out:
         for s in range(0, len(images), batch_size):
             model(images[s:s + batch_size].to(device).float().div_(255))
-    finally:
-        hook.remove()
+            total.append(out[bn].clamp(min=0).mean((0, 2, 3)) * len(out[bn]))
     return (torch.stack(total).sum(0) / len(images)).cpu()
 
 
@@ -52,10 +51,30 @@ def prune_channels(bn: nn.BatchNorm2d, channels: torch.Tensor) -> None:
 
 
 class FinePruning(Defense):
+    """Fine-pruning (Liu, Dolan-Gavitt & Garg, RAID 2018, https://arxiv.org/abs/1805.12185): prune the
+    last feature map's channels that are dormant on clean data, then fine-tune.
+
+    Arguments:
+        acc_ratio (float): stop pruning before clean accuracy falls this share below its start (default 0.1).
+        once_prune_ratio (float): share of the channels pruned per step (default 0.01).
+        epochs (int): fine-tuning epochs after pruning (default 100).
+        lr (float): SGD learning rate, cosine-annealed (default 0.01).
+        batch_size (int): default 256.
+        momentum (float): default 0.9.
+        weight_decay (float): default 5e-4.
+
+    Example::
+
+        >>> result = pbe.defenses.create("fp", epochs=20)(model, clean_set, train_size=50_000)
+    """
+
     name = "fp"
     setting = "clean-extra"
-    defaults = {"acc_ratio": 0.1, "once_prune_ratio": 0.01, "epochs": 100, "lr": 0.01, "batch_size": 256,
-                "momentum": 0.9, "weight_decay": 5e-4}
+
+    def __init__(self, acc_ratio: float = 0.1, once_prune_ratio: float = 0.01, epochs: int = 100, lr: float = 0.01,
+                 batch_size: int = 256, momentum: float = 0.9, weight_decay: float = 5e-4):
+        super().__init__(acc_ratio=acc_ratio, once_prune_ratio=once_prune_ratio, epochs=epochs, lr=lr,
+                         batch_size=batch_size, momentum=momentum, weight_decay=weight_decay)
 
     def _check(self):
         if not 0 < self.params["once_prune_ratio"] <= 1 or not 0 <= self.params["acc_ratio"] < 1:

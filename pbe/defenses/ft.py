@@ -10,9 +10,27 @@ from pbe.defenses.base import Context, Defense, sgd_finetune
 
 
 class FineTuning(Defense):
+    """Fine-tuning on the clean extra set (the baseline of every repair defence; BackdoorBench's ``ft``,
+    Wu et al., NeurIPS 2022 Datasets and Benchmarks, https://arxiv.org/abs/2206.12654).
+
+    Arguments:
+        epochs (int): fine-tuning epochs (default 100).
+        lr (float): SGD learning rate, cosine-annealed (default 0.01).
+        batch_size (int): default 256.
+        momentum (float): default 0.9.
+        weight_decay (float): default 5e-4.
+
+    Example::
+
+        >>> result = pbe.defenses.create("ft", epochs=20)(model, clean_set, train_size=50_000)
+    """
+
     name = "ft"
     setting = "clean-extra"
-    defaults = {"epochs": 100, "lr": 0.01, "batch_size": 256, "momentum": 0.9, "weight_decay": 5e-4}
+
+    def __init__(self, epochs: int = 100, lr: float = 0.01, batch_size: int = 256, momentum: float = 0.9,
+                 weight_decay: float = 5e-4):
+        super().__init__(epochs=epochs, lr=lr, batch_size=batch_size, momentum=momentum, weight_decay=weight_decay)
 
     def _defend(self, model, data, ctx: Context):
         p = self.params

@@ -50,10 +50,30 @@ def hypergradient(model, params, x, y, delta, inner_step: float, k: int, portion
 
 
 class IBAU(Defense):
+    """Implicit backdoor adversarial unlearning (Zeng et al., ICLR 2022, https://arxiv.org/abs/2110.03735):
+    a min-max game between a universal perturbation and the model, with implicit hypergradients.
+
+    Arguments:
+        rounds (int): outer rounds (default 5).
+        k (int): fixed-point iterations of the hypergradient (default 5).
+        batch_size (int): default 100.
+        lr (float): outer Adam learning rate (default 1e-3).
+        inner_step (float): step of the inner fixed-point map (default 0.1).
+        delta_lr (float): SGD learning rate of the universal perturbation (default 10.0).
+        portion (float): the perturbation's L2 bound as a share of an image's norm (default 0.01).
+
+    Example::
+
+        >>> result = pbe.defenses.create("ibau", rounds=3)(model, clean_set, train_size=50_000)
+    """
+
     name = "ibau"
     setting = "clean-extra"
-    defaults = {"rounds": 5, "k": 5, "batch_size": 100, "lr": 1e-3, "inner_step": 0.1, "delta_lr": 10.0,
-                "portion": 0.01}
+
+    def __init__(self, rounds: int = 5, k: int = 5, batch_size: int = 100, lr: float = 1e-3, inner_step: float = 0.1,
+                 delta_lr: float = 10.0, portion: float = 0.01):
+        super().__init__(rounds=rounds, k=k, batch_size=batch_size, lr=lr, inner_step=inner_step, delta_lr=delta_lr,
+                         portion=portion)
 
     def _defend(self, model, data: ImageDataset, ctx: Context):
         p = self.params

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pbe.defenses.base import Context, Defense, sgd_finetune
+from pbe.models import capture
 from pbe.utils import PBEError
 
 
@@ -33,25 +34,34 @@ def conv_stages(model: nn.Module, count: int) -> list[str]:
     return names[-count:]
 
 
-class _Features:
-    """Captures the outputs of named submodules during a forward pass."""
-
-    def __init__(self, model: nn.Module, names: list[str]):
-        modules = dict(model.named_modules())
-        self.out: dict[str, torch.Tensor] = {}
-        self.hooks = [modules[n].register_forward_hook(lambda m, i, o, n=n: self.out.__setitem__(n, o))
-                      for n in names]
-
-    def remove(self):
-        for h in self.hooks:
-            h.remove()
-
-
 class NAD(Defense):
+    """Neural attention distillation (Li et al., ICLR 2021, https://arxiv.org/abs/2101.05930): a teacher
+    fine-tuned on clean data guides the student's attention maps.
+
+    Arguments:
+        teacher_epochs (int): the teacher's fine-tuning epochs (default 10).
+        epochs (int): the student's epochs (default 100).
+        lr (float): SGD learning rate, cosine-annealed (default 0.01).
+        batch_size (int): default 256.
+        momentum (float): default 0.9.
+        weight_decay (float): default 1e-4.
+        p (float): attention power (default 2.0).
+        betas (tuple[float, ...]): distillation weights of the last stages (default (500, 1000, 1000)).
+        layers (list[str] | None): layer names to distil (default None: the last ``len(betas)`` stages).
+
+    Example::
+
+        >>> result = pbe.defenses.create("nad", epochs=20)(model, clean_set, train_size=50_000)
+    """
+
     name = "nad"
     setting = "clean-extra"
-    defaults = {"teacher_epochs": 10, "epochs": 100, "lr": 0.01, "batch_size": 256, "momentum": 0.9,
-                "weight_decay": 1e-4, "p": 2.0, "betas": (500.0, 1000.0, 1000.0), "layers": None}
+
+    def __init__(self, teacher_epochs: int = 10, epochs: int = 100, lr: float = 0.01, batch_size: int = 256,
+                 momentum: float = 0.9, weight_decay: float = 1e-4, p: float = 2.0,
+                 betas: tuple[float, ...] = (500.0, 1000.0, 1000.0), layers: list[str] | None = None):
+        super().__init__(teacher_epochs=teacher_epochs, epochs=epochs, lr=lr, batch_size=batch_size,
+                         momentum=momentum, weight_decay=weight_decay, p=p, betas=betas, layers=layers)
 
     def _defend(self, model, data, ctx: Context):
         p = self.params
@@ -64,21 +74,15 @@ class NAD(Defense):
         teacher.eval()
         for q in teacher.parameters():
             q.requires_grad_(False)
-        t_feat, s_feat = _Features(teacher, layers), _Features(model, layers)
-
-        def loss_fn(student, x, y):
-            with torch.no_grad():
-                teacher(x)
-            loss = F.cross_entropy(student(x), y)
-            for name, beta in zip(layers, betas):
-                diff = attention_map(s_feat.out[name], p["p"]) - attention_map(t_feat.out[name], p["p"])
-                loss = loss + beta * diff.pow(2).mean()
-            return loss
-
-        try:
+        with capture(teacher, layers) as t_out, capture(model, layers) as s_out:
+            def loss_fn(student, x, y):
+                with torch.no_grad():
+                    teacher(x)
+                loss = F.cross_entropy(student(x), y)
+                for name, beta in zip(layers, betas):
+                    diff = attention_map(s_out[name], p["p"]) - attention_map(t_out[name], p["p"])
+                    loss = loss + beta * diff.pow(2).mean()
+                return loss
             sgd_finetune(model, data, ctx, epochs=p["epochs"], desc="NAD student", loss_fn=loss_fn, **opt_kw)
-        finally:
-            t_feat.remove()
-            s_feat.remove()
         ctx.cost.forward += p["epochs"] * len(data)  # the teacher's forward passes
         return model, {"attention_layers": layers, "betas": betas}, None

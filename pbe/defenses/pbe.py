@@ -20,14 +20,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pbe.activations import Monitor, monitor, probe_indices
-from pbe.adversarial import PGDConfig, UniversalConfig, apply_universal, pgd, universal_perturbation
+from pbe.activations import PROBE_SIZE, Monitor, monitor, probe_indices
+from pbe.adversarial import (MONITOR_PGD, PAPER_EPS, PAPER_PGD, PGDConfig, UniversalConfig, apply_universal, pgd,
+                             universal_perturbation)
 from pbe.data import ImageDataset
 from pbe.defenses.base import Context, Defense, Evaluation, measure, sgd_finetune
 from pbe.metrics import predict, ranking_quality
 from pbe.utils import PBEError
 
-MONITOR_PGD = PGDConfig(eps=6 / 255, steps=5, step=2 / 255)  # the monitor's budget (and `pbe detect`'s)
 # the universal perturbation that names the label a backdoor opens: L2 norm 4 on a 3x32x32 image (the
 # premise table's finding on CIFAR-10), i.e. this root-mean-square change per pixel at any image size
 SUSPECT_L2_RMS = 4.0 / math.sqrt(3 * 32 * 32)
@@ -52,14 +52,14 @@ class Schedule:
     fractions: tuple[float, ...] = (0.05, 0.3)
     epochs: tuple[int, ...] = (4, 2)
     adv_batches: tuple[int | None, ...] = (None, 10)
-    pgd: PGDConfig = PGDConfig(eps=6 / 255, steps=4, step=2 / 255)
+    pgd: PGDConfig = PGDConfig(eps=PAPER_EPS, steps=4, step=2 / 255)
     lr: float = 0.01
     momentum: float = 0.9
     weight_decay: float = 5e-4
     batch_size: int = 128
     crop_padding: int = 4
     early_stop: bool = True  # stop once a backdoor the monitor flagged before the defence is gone
-    probe_size: int = 500  # images attacked for the monitor
+    probe_size: int = PROBE_SIZE  # images attacked for the monitor
     monitor_pgd: PGDConfig = MONITOR_PGD
     adv_share: float = 1.0
     universal: UniversalConfig | None = None
@@ -90,7 +90,7 @@ class Schedule:
 SCHEDULES = {
     # the authors' code: 4 rounds of 10 epochs, lr 1e-3, PGD-7 at 6/255, subsets 5/20/50/70%
     "paper": Schedule(fractions=(0.05, 0.2, 0.5, 0.7), epochs=(10, 10, 10, 10), adv_batches=(None, 31, 31, 31),
-                      pgd=PGDConfig(eps=6 / 255, steps=7), lr=0.001, crop_padding=5, early_stop=False),
+                      pgd=PAPER_PGD, lr=0.001, crop_padding=5, early_stop=False),
     # the default: two short rounds, fewer PGD steps, early stop (about 2-3 epoch-equivalents)
     "fast": Schedule(),
 }
@@ -189,7 +189,6 @@ class PBE(Defense):
 
     name = "pbe"
     setting = "no-clean"
-    defaults = {"schedule": "fast", "lr": None}
 
     def __init__(self, schedule: str | Schedule = "fast", lr: float | None = None):
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:

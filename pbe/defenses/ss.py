@@ -12,13 +12,29 @@ from __future__ import annotations
 import torch
 
 from pbe.defenses.base import Context, penultimate
-from pbe.defenses.filtering import RETRAIN_DEFAULTS, FilteringDefense
+from pbe.defenses.filtering import RETRAIN_RECIPE, FilteringDefense
 from pbe.utils import PBEError
 
 
 class SpectralSignatures(FilteringDefense):
+    """Spectral signatures (Tran, Li & Madry, NeurIPS 2018, https://arxiv.org/abs/1811.00636): per label,
+    the largest projections on the top singular vector of the centred representations are the poison.
+
+    Arguments:
+        percentile (float): keep each label's samples below this percentile of the score (default 85.0).
+        retrain (str | None): recipe of ``pbe.train`` to retrain on the kept samples (default "cpu";
+            None: return the infected model with the flagged indices).
+        retrain_epochs (int | None): override the recipe's epochs (default None).
+
+    Example::
+
+        >>> result = pbe.defenses.create("ss", retrain=None)(model, poisoned_train_set)
+    """
+
     name = "ss"
-    defaults = {"percentile": 85.0, **RETRAIN_DEFAULTS}
+
+    def __init__(self, percentile: float = 85.0, retrain: str | None = RETRAIN_RECIPE, retrain_epochs: int | None = None):
+        super().__init__(percentile=percentile, retrain=retrain, retrain_epochs=retrain_epochs)
 
     def _check(self):
         if not 0 < self.params["percentile"] < 100:

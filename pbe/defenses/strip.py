@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pbe.defenses.base import Context
-from pbe.defenses.filtering import RETRAIN_DEFAULTS, FilteringDefense
+from pbe.defenses.filtering import RETRAIN_RECIPE, FilteringDefense
 from pbe.utils import PBEError
 
 
@@ -40,8 +40,25 @@ def overlay_entropy(model, images: torch.Tensor, pool: torch.Tensor, n: int, ctx
 
 
 class STRIP(FilteringDefense):
+    """STRIP (Gao et al., ACSAC 2019, https://arxiv.org/abs/1902.06531): a triggered input keeps its
+    prediction under superimposed images, so its prediction entropy stays low.
+
+    Arguments:
+        n (int): superimpositions per sample (default 100).
+        frr (float): false rejection rate that sets the entropy boundary (default 0.01).
+        retrain (str | None): recipe of ``pbe.train`` to retrain on the kept samples (default "cpu";
+            None: return the infected model with the flagged indices).
+        retrain_epochs (int | None): override the recipe's epochs (default None).
+
+    Example::
+
+        >>> result = pbe.defenses.create("strip", retrain=None)(model, poisoned_train_set)
+    """
+
     name = "strip"
-    defaults = {"n": 100, "frr": 0.01, **RETRAIN_DEFAULTS}
+
+    def __init__(self, n: int = 100, frr: float = 0.01, retrain: str | None = RETRAIN_RECIPE, retrain_epochs: int | None = None):
+        super().__init__(n=n, frr=frr, retrain=retrain, retrain_epochs=retrain_epochs)
 
     def _check(self):
         if not 0 < self.params["frr"] < 0.5 or self.params["n"] < 1:

@@ -1,13 +1,16 @@
 """``pbe erase | detect | analyze | demo``: the defence from the command line."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-from pbe.cli import load_model_and_test
+from pbe.cli.common import add_common, load_model_and_test
+from pbe.activations import KAPPA_THRESHOLD, PROBE_SIZE
+from pbe.adversarial import MONITOR_PGD
 from pbe.utils import PBEError
 
 
@@ -120,10 +123,9 @@ def cmd_erase(args) -> dict:
 def cmd_detect(args) -> dict:
     from pbe import data
     from pbe.activations import detect
-    from pbe.adversarial import PGDConfig
     model, meta, test = load_model_and_test(args)
     ds = test if args.split == "test" else data.load(args.dataset, args.data_root, "train")
-    mon = detect(model, ds, args.probe_size, _pgd_config(args, PGDConfig(eps=6 / 255, steps=5, step=2 / 255)),
+    mon = detect(model, ds, args.probe_size, _pgd_config(args, MONITOR_PGD),
                  threshold=args.threshold, seed=args.seed).as_dict()
     verdict = (f"backdoor suspected: adversarial examples point to label {mon['top_label']} "
                f"({ds.classes[mon['top_label']]}), kappa {mon['top_kappa']:.2f} > {mon['threshold']}"
@@ -140,14 +142,14 @@ def cmd_detect(args) -> dict:
 def cmd_analyze(args) -> dict:
     import attacks
     from pbe.activations import detect, neuron_overlap, probe_indices
-    from pbe.adversarial import PGDConfig, adversarial_examples
+    from pbe.adversarial import adversarial_examples
     from pbe.models import last_conv_name
     model, meta, test = load_model_and_test(args)
     attack = attacks.load(args.attack_state)
     idx = probe_indices(test.labels, args.probe_size, args.seed)
     idx = idx[test.labels[idx] != attack.target] if not attack.all_to_all else idx
     x = test.images[idx].float() / 255
-    cfg = _pgd_config(args, PGDConfig(eps=6 / 255, steps=5, step=2 / 255))
+    cfg = _pgd_config(args, MONITOR_PGD)
     x_adv = adversarial_examples(model, x, test.labels[idx], cfg)
     layers = args.layers or [last_conv_name(model)]
     out = {"layers": neuron_overlap(model, x, attack.apply(x), x_adv, layers, args.k),
@@ -157,6 +159,17 @@ def cmd_analyze(args) -> dict:
         from pbe.utils import write_json
         write_json(args.out / "analysis.json", out)
     return out
+
+
+def cmd_demo(args) -> dict:
+    from pbe.demo import format_table, run_demo
+    print("Blend backdoor (noise key, alpha 0.2, target 0, 10% poison) on scikit-learn digits, "
+          "then PBE without clean data...", flush=True)
+    result = run_demo(args.seed, progress=not args.no_progress, out=args.out)
+    print(format_table(result))
+    if args.out is None:
+        print(json.dumps(result))
+    return result
 
 
 def _defense_data_args(p) -> None:
@@ -169,11 +182,22 @@ def _defense_data_args(p) -> None:
     p.add_argument("--attack-state", help="attack state, to measure ASR (evaluation only)")
 
 
-def register(sub, common) -> None:
+def _defense_parameters() -> str:
+    """Every registered defence with its setting and its parameters' defaults, for ``--help``."""
+    from pbe import defenses
+    lines = ["defences and their parameters (--param KEY=VALUE; values are read as JSON):"]
+    for name in defenses.available():
+        cls = defenses.REGISTRY.get(name)
+        params = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in cls.defaults.items())
+        lines.append(f"  {name:6s} [{cls.setting}] {params}")
+    return "\n".join(lines)
+
+
+def register(sub) -> None:
     from pbe import defenses
     from pbe.defenses import SCHEDULES
     p = sub.add_parser("erase", help="purify a model: PBE without clean data, or AFT with a clean extra set")
-    common(p)
+    add_common(p)
     _defense_data_args(p)
     p.add_argument("--setting", choices=["no-clean", "clean-extra"], default="no-clean")
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="fast")
@@ -181,8 +205,9 @@ def register(sub, common) -> None:
     _pgd_args(p)
     p.set_defaults(func=cmd_erase)
 
-    p = sub.add_parser("defend", help="run any registered defence (" + " ".join(defenses.available()) + ")")
-    common(p)
+    p = sub.add_parser("defend", help="run any registered defence (" + " ".join(defenses.available()) + ")",
+                       epilog=_defense_parameters(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common(p)
     _defense_data_args(p)
     p.add_argument("--defense", required=True, choices=defenses.available())
     p.add_argument("--param", action="append", metavar="KEY=VALUE",
@@ -190,26 +215,25 @@ def register(sub, common) -> None:
     p.set_defaults(func=cmd_defend)
 
     p = sub.add_parser("detect", help="is a backdoor suspected? (adversarial-label concentration, no trigger)")
-    common(p)
+    add_common(p)
     p.add_argument("--model", required=True)
     p.add_argument("--split", choices=["train", "test"], default="test")
-    p.add_argument("--probe-size", type=int, default=500)
-    p.add_argument("--threshold", type=float, default=0.5,
+    p.add_argument("--probe-size", type=int, default=PROBE_SIZE)
+    p.add_argument("--threshold", type=float, default=KAPPA_THRESHOLD,
                    help="kappa threshold: chance-corrected attraction of the top label")
     _pgd_args(p)
     p.set_defaults(func=cmd_detect)
 
     p = sub.add_parser("analyze", help="neurons excited by clean, triggered and adversarial inputs")
-    common(p)
+    add_common(p)
     p.add_argument("--model", required=True)
     p.add_argument("--attack-state", required=True)
     p.add_argument("--layers", nargs="*", help="layer names (default: the last conv layer)")
     p.add_argument("--k", type=int, default=10, help="top-k neurons per layer")
-    p.add_argument("--probe-size", type=int, default=500)
+    p.add_argument("--probe-size", type=int, default=PROBE_SIZE)
     _pgd_args(p)
     p.set_defaults(func=cmd_analyze)
 
-    from pbe.demo import cmd_demo
     p = sub.add_parser("demo", help="plant a backdoor on built-in digits, detect it, erase it with PBE (~1 min)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="also save models and reports here")

@@ -1,12 +1,12 @@
 """``pbe attack``: train an infected model and save it with its attack state and poison indices."""
 from __future__ import annotations
 
+from pbe.cli.common import add_common, train_and_save
 from pbe.utils import parse_params
 
 
 def cmd_attack(args) -> dict:
     import attacks
-    from pbe.cli import train_and_save
     from pbe.train import data_fingerprint, get_recipe
     from pbe.utils import write_json
 
@@ -31,11 +31,11 @@ def cmd_attack(args) -> dict:
                                                       "rate": args.rate}, after)
 
 
-def register(sub, common) -> None:
+def register(sub) -> None:
     import attacks
     from pbe.train import RECIPES
     p = sub.add_parser("attack", help="train a backdoored model (writes model, attack state, poison indices)")
-    common(p)
+    add_common(p)
     p.add_argument("--attack", required=True, choices=attacks.available())
     p.add_argument("--recipe", default="tiny", choices=sorted(RECIPES))
     p.add_argument("--epochs", type=int, help="override the recipe's epochs")

@@ -1,4 +1,5 @@
-"""Command line: ``pbe train | evaluate | data | attack | ...``. User mistakes print one line, exit 2."""
+"""What the command groups share: the common options, loading data and models, and the resumable
+``train_and_save`` behind ``pbe train`` and ``pbe attack``."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,8 @@ from pathlib import Path
 from pbe.utils import PBEError
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def add_common(p: argparse.ArgumentParser) -> None:
+    """--device --seed --out --data-root --dataset --no-progress --overwrite."""
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
     p.add_argument("--seed", type=int, default=0, help="seed for every random draw (default: 0)")
     p.add_argument("--out", type=Path, help="output directory")
@@ -21,7 +23,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace another run found in --out")
 
 
-def _load_both(args):
+def load_both(args):
     from pbe import data
     train = data.load(args.dataset, args.data_root, "train", download=getattr(args, "download", False))
     test = data.load(args.dataset, args.data_root, "test", download=getattr(args, "download", False))
@@ -77,7 +79,7 @@ def train_and_save(args, recipe, fit, attack=None, extra_meta: dict | None = Non
         print(f"{args.out} already holds this finished run; nothing to do", file=sys.stderr)
         print(json.dumps(done))
         return done
-    train_set, test_set = _load_both(args)
+    train_set, test_set = load_both(args)
     model = build_model(recipe, train_set, args.dataset, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
@@ -97,17 +99,6 @@ def train_and_save(args, recipe, fit, attack=None, extra_meta: dict | None = Non
     return result
 
 
-def cmd_train(args) -> dict:
-    from pbe.train import get_recipe, train
-
-    recipe = get_recipe(args.recipe, epochs=args.epochs, model=args.model, width=args.width)
-
-    def fit(model, train_set, test_set, log, state):
-        train(model, train_set, test_set, recipe, seed=args.seed, device=args.device, log_path=log,
-              state_path=state, progress=not args.no_progress)
-    return train_and_save(args, recipe, fit)
-
-
 def load_model_and_test(args):
     """The checkpoint named by --model and the test split of its dataset (the sidecar's, unless
     --dataset names another one than the default)."""
@@ -116,89 +107,3 @@ def load_model_and_test(args):
     if args.dataset == "digits" and meta.get("dataset") not in (None, "digits"):
         args.dataset = meta["dataset"]
     return model, meta, data.load(args.dataset, args.data_root, "test")
-
-
-def cmd_evaluate(args) -> dict:
-    from pbe import metrics
-    model, _, test_set = load_model_and_test(args)
-    attack = None
-    if args.attack_state:
-        import attacks
-        attack = attacks.load(args.attack_state)
-    result = metrics.evaluate(model, test_set, attack)
-    print(json.dumps(result))
-    if args.out:
-        from pbe.utils import write_json
-        write_json(Path(args.out) / "evaluation.json", result)
-    return result
-
-
-def cmd_data(args) -> dict:
-    train_set, test_set = _load_both(args)
-    info = {"train": train_set.summary(), "test": test_set.summary()}
-    print(json.dumps(info, indent=1))
-    return info
-
-
-def parser() -> argparse.ArgumentParser:
-    from pbe import __version__
-    from pbe.train import RECIPES
-    ap = argparse.ArgumentParser(prog="pbe", description="Backdoor defence toolkit (Progressive Backdoor Erasing).")
-    ap.add_argument("--version", action="version", version=f"pbe {__version__}")
-    sub = ap.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("train", help="train a model on a dataset and save it with its metrics")
-    _common(p)
-    p.add_argument("--recipe", default="tiny", choices=sorted(RECIPES), help="training recipe (default: tiny)")
-    p.add_argument("--epochs", type=int, help="override the recipe's epochs")
-    p.add_argument("--model", help="override the recipe's model (see pbe.models.available())")
-    p.add_argument("--width", type=int, help="override the recipe's model width")
-    p.add_argument("--download", action="store_true", help="download the dataset if missing (torchvision)")
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("evaluate", help="clean accuracy (and ASR/RA with --attack-state) of a saved model")
-    _common(p)
-    p.add_argument("--model", required=True, help="checkpoint: directory, .safetensors or its .json")
-    p.add_argument("--attack-state", help="attack state file saved by `pbe attack`, to measure ASR and RA")
-    p.set_defaults(func=cmd_evaluate)
-
-    p = sub.add_parser("data", help="load a dataset (decode and cache it) and print its summary")
-    _common(p)
-    p.add_argument("--download", action="store_true", help="download the dataset if missing (torchvision)")
-    p.set_defaults(func=cmd_data)
-
-    for extra in _extensions():
-        extra(sub, _common)
-    return ap
-
-
-def _extensions():
-    """Subcommands contributed by other modules (attacks, defences)."""
-    found = []
-    for mod in ("attacks.cli", "pbe.defense_cli", "pbe.zoo"):
-        try:
-            found.append(__import__(mod, fromlist=["register"]).register)
-        except ModuleNotFoundError as err:
-            if err.name not in (mod, mod.split(".")[0]):
-                raise
-    return found
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    try:
-        args.func(args)
-    except PBEError as err:
-        print(f"pbe {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as err:
-        print(f"pbe {args.command}: error: {err.strerror}: {err.filename}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
