@@ -23,6 +23,7 @@ from pbe.utils import hardware_string, toolkit_version
 FAST = SCHEDULES["fast"]
 UNI_L2 = UniversalConfig(kind="l2", eps=4.0)
 UNI_PATCH = UniversalConfig(kind="patch", size=5)
+UNI_L2_T = UniversalConfig(kind="l2", eps=1.0)  # the detection scan's budget
 
 # name -> (what it changes, the schedule)
 VARIANTS = {
@@ -45,6 +46,15 @@ VARIANTS = {
                                     adv_batches=(None, None), early_stop=False, refuse_suspected=True)),
     "fast_refuse": ("the default + refuse the suspected label's samples (round 1: all of them)",
                     replace(FAST, refuse_suspected=True)),
+    "uni_t_refuse": ("universal L2 1 targeted at the scan's suspected label on a third of every batch, the rest "
+                     "clean, lr 1e-3, refuse the suspected label's samples",
+                     replace(FAST, adv_share=0.0, universal=UNI_L2_T, universal_share=1 / 3, lr=1e-3,
+                             adv_batches=(None, None), early_stop=False, universal_target=True,
+                             refuse_suspected=True)),
+    "uni_t_refuse_pgd": ("uni_t_refuse + PGD on another third of every batch",
+                         replace(FAST, adv_share=1 / 3, universal=UNI_L2_T, universal_share=1 / 3, lr=1e-3,
+                                 adv_batches=(None, None), early_stop=False, universal_target=True,
+                                 refuse_suspected=True)),
     "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
 }
 
@@ -100,7 +110,7 @@ def main() -> None:
                        "schedule_fields": report["schedule"], "stopped_early": report["stopped_early"],
                        "per_round": [{k: rd.get(k) for k in ("round", "subset_size", "metrics", "detection",
                                                               "epoch_equivalents")} for rd in report["rounds"]],
-                       "suspected_label": report.get("suspected_label")})
+                       "scan": report.get("scan")})
             print(f"{entry.name} {variant}: acc {b['acc']:.4f}->{a['acc']:.4f} asr {b['asr']:.4f}->{a['asr']:.4f} "
                   f"ee {report['epoch_equivalents']:.2f} wall {report['wall_s']:.0f}s", flush=True)
 

@@ -205,9 +205,10 @@ class UniversalConfig:
 
 def universal_perturbation(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
                            cfg: UniversalConfig | None = None, generator: torch.Generator | None = None,
-                           device=None) -> torch.Tensor:
+                           device=None, target: int | None = None) -> torch.Tensor:
     """One untargeted perturbation (C, H, W) that raises the loss of every image's true label
-    (Moosavi-Dezfooli et al. 2017, optimised by mini-batch signed / normalised gradient ascent).
+    (Moosavi-Dezfooli et al. 2017, optimised by mini-batch signed / normalised gradient ascent), or
+    with `target`, one that lowers every image's loss for that label (a trigger-like direction).
     For "linf" / "l2" it is added to an image; for "patch" it is pasted with ``apply_universal``."""
     cfg = cfg or UniversalConfig()
     dev = device or next(model.parameters()).device
@@ -226,7 +227,11 @@ def universal_perturbation(model: nn.Module, images: torch.Tensor, labels: torch
                 x = images[idx].to(dev)
                 x = x.float() / 255 if x.dtype == torch.uint8 else x
                 delta.requires_grad_(True)
-                loss = F.cross_entropy(model(apply_universal(x, delta, cfg, generator)), labels[idx].to(dev))
+                logits = model(apply_universal(x, delta, cfg, generator))
+                if target is None:
+                    loss = F.cross_entropy(logits, labels[idx].to(dev))
+                else:
+                    loss = -F.cross_entropy(logits, torch.full((len(idx),), int(target), device=dev))
                 (grad,) = torch.autograd.grad(loss, delta)
                 with torch.no_grad():
                     if cfg.kind == "patch":

@@ -174,20 +174,33 @@ def test_universal_and_mixed_batch_levers(blend_model, monkeypatch):
         replace(s, adv_share=1.5)
 
 
-def test_refuse_suspected_lever(blend_model):
-    """refuse_suspected names the label a universal perturbation collapses on (the Blend target 0
-    here), keeps every sample of it out of round 1, and later refuses those the model moved off it."""
+def test_targeted_universal_and_refuse_suspected_levers(blend_model):
+    """With universal_target / refuse_suspected, the detection scan names the Blend target (0); round 1
+    never trains on that label, and every epoch's universal perturbation is targeted at it."""
     from dataclasses import replace
 
+    import pbe.defenses.pbe as defense
+    from pbe.adversarial import UniversalConfig
     model, attack, poisoned = blend_model
-    s = replace(DIGITS_SCHEDULE, refuse_suspected=True, early_stop=False)
-    _, report = erase(model, poisoned, s, seed=0, progress=False)
-    suspect = report["suspected_label"]
-    assert suspect["label"] == attack.target, suspect
+    targets = []
+    real_uni = defense.universal_perturbation
+
+    def spy(*a, target=None, **k):
+        targets.append(target)
+        return real_uni(*a, target=target, **k)
+    s = replace(DIGITS_SCHEDULE, refuse_suspected=True, universal_target=True, early_stop=False, scan_l2_rms=0.15,
+                universal=UniversalConfig(kind="l2", eps=1.0, epochs=1), universal_share=0.25, universal_images=64,
+                adv_share=0.5)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(defense, "universal_perturbation", spy)
+        _, report = erase(model, poisoned, s, seed=0, progress=False)
+    scan = report["scan"]
+    assert scan["suspected"] and scan["label"] == attack.target, scan
+    assert targets and set(targets) == {attack.target}
     first = torch.tensor(report["rounds"][0]["subset_indices"])
-    assert (poisoned.labels[first] != suspect["label"]).all()
-    plain = replace(s, refuse_suspected=False)
+    assert (poisoned.labels[first] != attack.target).all()
+    plain = replace(s, refuse_suspected=False, universal_target=False)
     _, report_plain = erase(model, poisoned, plain, seed=0, progress=False)
-    assert "suspected_label" not in report_plain
+    assert "scan" not in report_plain
     assert (poisoned.labels[torch.tensor(report_plain["rounds"][0]["subset_indices"])] == attack.target).any()
-    assert report["passes"]["forward_backward"] > report_plain["passes"]["forward_backward"]
+    assert report["passes"]["forward_backward"] - report_plain["passes"]["forward_backward"] >= scan["forward_backward"]

@@ -13,7 +13,6 @@ are used only for the optional evaluation in the report.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -24,13 +23,10 @@ from pbe.activations import PROBE_SIZE, Monitor, monitor, probe_indices
 from pbe.adversarial import (MONITOR_PGD, PAPER_EPS, PAPER_PGD, PGDConfig, UniversalConfig, apply_universal, pgd,
                              universal_perturbation)
 from pbe.data import ImageDataset
+from pbe.detection import SCAN_L2_RMS, detect
 from pbe.defenses.base import Context, Defense, Evaluation, measure, sgd_finetune
 from pbe.metrics import predict, ranking_quality
 from pbe.utils import PBEError
-
-# the universal perturbation that names the label a backdoor opens: L2 norm 4 on a 3x32x32 image (the
-# premise table's finding on CIFAR-10), i.e. this root-mean-square change per pixel at any image size
-SUSPECT_L2_RMS = 4.0 / math.sqrt(3 * 32 * 32)
 
 
 @dataclass(frozen=True)
@@ -43,11 +39,12 @@ class Schedule:
     rest stays clean, which protects accuracy), and `universal` (a universal perturbation of the
     current model, re-optimised every epoch on `universal_images` samples of the subset, pasted on a
     `universal_share` of every batch with the samples' own labels: a trigger-like direction the
-    backdoor opens, unlearned without knowing the trigger), and `refuse_suspected` (before round 1,
-    one universal perturbation of the infected model names the label its fooled images collapse on;
-    round 1 never trains on samples of that label, later rounds refuse those of its samples whose
-    prediction the purification moved away from it: an all-to-one backdoor's poison all carries the
-    target label, so the first round cannot re-learn it)."""
+    backdoor opens, unlearned without knowing the trigger), `universal_target` (that perturbation is
+    targeted at the label ``pbe.detection.detect`` suspects on the training set, re-optimised on
+    samples of other labels) and `refuse_suspected` (round 1 never trains on samples of the
+    suspected label; later rounds refuse those of its samples whose prediction the purification moved
+    away from it: an all-to-one backdoor's poison all carries the target label, so the first round
+    cannot re-learn it). Neither does anything when no label is suspected."""
 
     fractions: tuple[float, ...] = (0.05, 0.3)
     epochs: tuple[int, ...] = (4, 2)
@@ -65,7 +62,9 @@ class Schedule:
     universal: UniversalConfig | None = None
     universal_share: float = 0.0
     universal_images: int = 512
+    universal_target: bool = False
     refuse_suspected: bool = False
+    scan_l2_rms: float = SCAN_L2_RMS  # the detection scan's budget (``pbe.detection``)
 
     def __post_init__(self):
         n = len(self.fractions)
@@ -109,17 +108,20 @@ class AdversarialBatches:
     batch becomes PGD examples of itself; with `s.universal`, a `universal_share` of every batch gets
     the epoch's universal perturbation (``new_epoch`` re-optimises it). Labels stay the samples' own."""
 
-    def __init__(self, model: nn.Module, data: ImageDataset, s: Schedule, adv_batches: int | None, ctx: Context):
+    def __init__(self, model: nn.Module, data: ImageDataset, s: Schedule, adv_batches: int | None, ctx: Context,
+                 target: int | None = None):
         self.model, self.data, self.s, self.adv_batches, self.ctx = model, data, s, adv_batches, ctx
+        self.target = target if s.universal_target else None
         self.done, self.delta = 0, None
 
     def new_epoch(self, epoch: int) -> None:
         s = self.s
         if s.universal is None or s.universal_share == 0:
             return
-        pick = torch.randperm(len(self.data), generator=self.ctx.gen)[:s.universal_images]
+        pool = torch.arange(len(self.data)) if self.target is None else (self.data.labels != self.target).nonzero()[:, 0]
+        pick = pool[torch.randperm(len(pool), generator=self.ctx.gen)[:s.universal_images]]
         self.delta = universal_perturbation(self.model, self.data.images[pick], self.data.labels[pick], s.universal,
-                                            self.ctx.gen, self.ctx.device)
+                                            self.ctx.gen, self.ctx.device, target=self.target)
         self.ctx.cost.forward_backward += s.universal.epochs * len(pick)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -137,9 +139,10 @@ class AdversarialBatches:
 
 
 def adversarial_finetune(model: nn.Module, data: ImageDataset, epochs: int, adv_batches: int | None, s: Schedule,
-                         ctx: Context, desc: str) -> None:
-    """Fine-tune on `data` with the shared loop, the adversarial batches of `s` and its constant lr."""
-    batches = AdversarialBatches(model, data, s, adv_batches, ctx)
+                         ctx: Context, desc: str, target: int | None = None) -> None:
+    """Fine-tune on `data` with the shared loop, the adversarial batches of `s` and its constant lr
+    (`target`: the suspected label, for ``s.universal_target``)."""
+    batches = AdversarialBatches(model, data, s, adv_batches, ctx, target)
     sgd_finetune(model, data, ctx, epochs=epochs, lr=s.lr, batch_size=s.batch_size, momentum=s.momentum,
                  weight_decay=s.weight_decay, crop_padding=s.crop_padding, lr_schedule="constant",
                  transform=batches, on_epoch=batches.new_epoch, desc=desc)
@@ -149,23 +152,6 @@ def run_monitor(model, data: ImageDataset, probe: torch.Tensor, s: Schedule, ctx
     ctx.cost.forward_backward += len(probe) * s.monitor_pgd.steps
     ctx.cost.forward += 2 * len(probe)
     return monitor(model, data.images[probe], data.labels[probe], data.num_classes, s.monitor_pgd)
-
-
-def suspected_label(model: nn.Module, data: ImageDataset, s: Schedule, ctx: Context) -> dict:
-    """The label that one universal L2 perturbation of `model` (``SUSPECT_L2_RMS`` per pixel), optimised
-    on `s.universal_images` training samples, sends most of its fooled images to, with that share."""
-    pick = torch.randperm(len(data), generator=ctx.gen)[:s.universal_images]
-    x, y = data.images[pick], data.labels[pick]
-    cfg = UniversalConfig(kind="l2", eps=SUSPECT_L2_RMS * math.sqrt(x[0].numel()))
-    delta = universal_perturbation(model, x, y, cfg, ctx.gen, ctx.device)
-    pred = predict(model, apply_universal(x.float() / 255, delta, cfg, ctx.gen))
-    ctx.cost.forward_backward += cfg.epochs * len(pick)
-    ctx.cost.forward += len(pick)
-    fooled = pred[pred != y]
-    if len(fooled) == 0:
-        return {"label": -1, "share": 0.0, "fooled": 0}
-    counts = torch.bincount(fooled, minlength=data.num_classes)
-    return {"label": int(counts.argmax()), "share": float(counts.max() / len(fooled)), "fooled": len(fooled)}
 
 
 class PBE(Defense):
@@ -209,16 +195,21 @@ class PBE(Defense):
         before_mon = run_monitor(model, data, probe, s, ctx).as_dict()
         report = {"schedule": s.as_dict(), "probe_indices": probe.tolist(), "monitor_before": before_mon,
                   "rounds": []}
-        allowed = torch.ones(n, dtype=torch.bool)
-        if s.refuse_suspected:
-            report["suspected_label"] = suspect = suspected_label(original, data, s, ctx)
-            allowed = data.labels != suspect["label"]
+        allowed, target = torch.ones(n, dtype=torch.bool), None
+        if s.refuse_suspected or s.universal_target:
+            scan = detect(original, data, l2_rms=s.scan_l2_rms, seed=ctx.seed)
+            ctx.cost.forward_backward += scan.forward_backward
+            ctx.cost.forward += scan.forward
+            report["scan"] = scan.as_dict()
+            target = scan.label
+        if s.refuse_suspected and target is not None:
+            allowed = data.labels != target
         pool = allowed.nonzero().flatten()
         subset = pool[torch.randperm(len(pool), generator=ctx.gen)[:max(1, round(s.fractions[0] * n))]].sort().values
         stopped = False
         for t in range(len(s.fractions)):
             adversarial_finetune(model, data.subset(subset), s.epochs[t], s.adv_batches[t], s, ctx,
-                                 f"PBE round {t + 1}/{len(s.fractions)}")
+                                 f"PBE round {t + 1}/{len(s.fractions)}", target)
             z = predict(model, data.images, return_logits=True)
             ctx.cost.forward += n
             suspicion = 0.5 - 0.5 * F.cosine_similarity(z0, z, dim=1)  # higher = more suspicious
@@ -234,8 +225,8 @@ class PBE(Defense):
                 stopped = t + 1 < len(s.fractions)
                 break
             if t + 1 < len(s.fractions):
-                if s.refuse_suspected:  # a suspected-label sample stays out unless the model still says so
-                    allowed = (data.labels != suspect["label"]) | (z.argmax(1) == suspect["label"])
+                if s.refuse_suspected and target is not None:  # stays out unless the model still says so
+                    allowed = (data.labels != target) | (z.argmax(1) == target)
                 score = suspicion.masked_fill(~allowed, float("inf"))
                 k = min(int(allowed.sum()), max(1, round(s.fractions[t + 1] * n)))
                 subset = (-score).topk(k).indices.sort().values

@@ -1,0 +1,146 @@
+"""Trigger-free backdoor detection: is a model infected, and which label is its target?
+
+Method (the idea of Neural Cleanse, Wang et al., IEEE S&P 2019, https://doi.org/10.1109/SP.2019.00031,
+and of i-BAU's universal perturbation, Zeng et al., ICLR 2022: a backdoor is an unusually *small
+universal* perturbation to its target): for every label k, one targeted universal L2 perturbation of
+a fixed small budget is optimised on half of the defender's images (none of them of label k) and
+applied to the other half; ``rates[k]`` is the share of those held-out images it sends to k. A
+benign label needs a large, image-specific change; the target of a backdoor is reached from almost
+every image by one small shift. The statistic is a null from the model's own classes (as Neural
+Cleanse's anomaly index, and as MM-BD does with its maximum-margin statistics, Wang et al., 2022,
+https://arxiv.org/abs/2205.06900): the robust z-score of the top label's logit(rate) against the
+other labels' median and MAD, and the p-value of the largest of C such scores under a normal null,
+``1 - Phi(z) ** C``. A backdoor is suspected when the p-value is below `alpha`.
+
+All-to-all backdoors (y -> y + 1) have no single target: each label is reached from one source
+class only. The held-out images give the source-by-target matrix of rates for free; a label whose
+rate from one source class stands out of its row is reported in ``label_map`` (source -> target).
+
+The budget (L2 norm 1 on a 3x32x32 image, the same root-mean-square change per pixel at any size)
+and `alpha` were chosen on the CIFAR-10 dev-set zoo models (``experiments/detect.py``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+
+from pbe.adversarial import UniversalConfig, apply_universal, universal_perturbation
+from pbe.metrics import predict
+from pbe.utils import PBEError
+
+SCAN_L2_RMS = 1.0 / math.sqrt(3 * 32 * 32)  # L2 norm 1 on a CIFAR-10 image (dev-set choice)
+SCAN_IMAGES = 256  # images that optimise each label's perturbation (as many more measure it)
+SCAN_EPOCHS = 4
+ALPHA = 0.01  # p-value below which a backdoor is suspected
+
+
+@dataclass
+class Detection:
+    """What ``detect`` found. `score` is the robust z of the top label; `rates` per label."""
+
+    suspected: bool
+    label: int | None  # the suspected target (None when not suspected)
+    top_label: int
+    score: float
+    p_value: float
+    alpha: float
+    rates: list[float]
+    label_map: dict[int, int] | None  # all-to-all diagnosis: source -> target, when one stands out
+    images: int
+    forward_backward: int  # image passes spent (PERF.md's cost unit, with `forward`)
+    forward: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def epoch_equivalents(self, train_size: int) -> float:
+        return (self.forward_backward + self.forward / 3) / train_size
+
+
+MAD_FLOOR = 1.0  # logit units: below it the other labels' spread is sampling noise (rates of ~0 from n images)
+
+
+def _robust_z(values: torch.Tensor, i: int) -> float:
+    """How far values[i] (logits of rates) stands above the others: (v_i - median) / (1.4826 MAD), the
+    MAD floored at ``MAD_FLOOR`` so that labels no image reaches do not make any hit look significant."""
+    others = torch.cat([values[:i], values[i + 1:]])
+    med = others.median()
+    mad = ((others - med).abs().median() * 1.4826).clamp_min(MAD_FLOOR)
+    return float((values[i] - med) / mad)
+
+
+def _p_value(z: float, num_classes: int) -> float:
+    """P(max of `num_classes` standard normals >= z)."""
+    phi = 0.5 * (1 + math.erf(z / math.sqrt(2)))
+    return float(1 - phi ** num_classes)
+
+
+def _logit(r: torch.Tensor, n: int) -> torch.Tensor:
+    eps = 0.5 / max(n, 1)  # a rate of 0 or 1 from n images is known to about 1 / (2n)
+    r = r.clamp(eps, 1 - eps)
+    return (r / (1 - r)).log()
+
+
+def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float = SCAN_L2_RMS,
+           epochs: int = SCAN_EPOCHS, alpha: float = ALPHA, seed: int = 0) -> Detection:
+    """Scan every label of `model` with `dataset`'s images (the test set, or the possibly poisoned
+    training set: no trigger, no clean data needed); see the module docstring.
+
+    Example::
+
+        >>> d = pbe.detect(model, test_set)
+        >>> d.suspected, d.label, d.p_value
+    """
+    k = int(dataset.num_classes)
+    if k < 2:
+        raise PBEError("detection needs at least 2 classes")
+    if not (isinstance(images, int) and images >= k):
+        raise PBEError(f"detect: images must be an int >= the number of classes ({k}), got {images!r}")
+    if not 0 < alpha < 1 or not l2_rms > 0 or not (isinstance(epochs, int) and epochs >= 1):
+        raise PBEError(f"detect: alpha must be in (0, 1), l2_rms > 0 and epochs an int >= 1; got {alpha}, "
+                       f"{l2_rms}, {epochs}")
+    if len(dataset) < 2 * k:
+        raise PBEError(f"detect needs at least {2 * k} images, got {len(dataset)}")
+    gen = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(len(dataset), generator=gen)[:2 * images]
+    x, y = dataset.images[pick], dataset.labels[pick]
+    half = len(pick) // 2
+    (xo, yo), (xh, yh) = (x[:half], y[:half]), (x[half:], y[half:])
+    cfg = UniversalConfig(kind="l2", eps=l2_rms * math.sqrt(x[0].numel()), epochs=epochs)
+    xh_float = xh.float() / 255 if xh.dtype == torch.uint8 else xh
+    rates, matrix, fb, fw = [], torch.zeros(k, k), 0, 0
+    for label in range(k):
+        src = yo != label
+        delta = universal_perturbation(model, xo[src], yo[src], cfg, gen, target=label)
+        fb += epochs * int(src.sum())
+        pred = predict(model, apply_universal(xh_float, delta, cfg, gen))
+        fw += len(xh)
+        hit = (pred == label) & (yh != label)
+        rates.append(float(hit.sum() / (yh != label).sum().clamp_min(1)))
+        for c in range(k):
+            if c != label and (yh == c).any():
+                matrix[c, label] = hit[yh == c].float().mean()
+    r = torch.tensor(rates)
+    n_measured = int(len(xh) * (k - 1) / k)
+    lg = _logit(r, n_measured)
+    top = int(r.argmax())
+    z = _robust_z(lg, top)
+    p = _p_value(z, k)
+    suspected = p < alpha
+    label_map = None
+    if not suspected:  # one target per source class standing out of its row: all-to-all
+        per_source = max(1, len(xh) // k)
+        found = {}
+        for c in range(k):
+            row = _logit(matrix[c], per_source)
+            t = int(matrix[c].argmax())
+            row_z = _robust_z(torch.cat([row[:c], row[c + 1:]]), t - (t > c))
+            if _p_value(row_z, k - 1) < alpha and matrix[c, t] >= 0.5:
+                found[c] = t
+        if len(found) >= k // 2:
+            label_map = found
+    return Detection(bool(suspected), top if suspected else None, top, round(z, 3), p, alpha,
+                     [round(v, 4) for v in rates], label_map, len(pick), fb, fw)
