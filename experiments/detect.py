@@ -1,0 +1,115 @@
+"""Trigger-free detection on every zoo model -> experiments/results/detect.{json,md}: one row per model
+(CIFAR-10 and GTSRB, dev and generalisation sets, clean ones included) with the verdict, the named
+label, the score and its p-value, and the cost; the summary gives the ROC-AUC of the score over all
+models and each model's margin to the threshold. Models with a row on the committed weights are skipped.
+
+    python experiments/detect.py [--set dev] [--dataset cifar10] [--only badnets] [--split test] [--seed 0]
+
+The defaults of ``pbe.detection`` were chosen on the dev set; the generalisation rows only report.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+from common import HERE, same_zoo_model, zoo_cell
+from sklearn.metrics import roc_auc_score
+
+from pbe import zoo
+from pbe.detection import ALPHA, detect
+from pbe.results import ResultsTable
+from pbe.utils import hardware_string, toolkit_version
+
+
+def threshold_z(alpha: float, num_classes: int) -> float:
+    """The score at which the p-value of the max of `num_classes` normals equals `alpha`."""
+    lo, hi = 0.0, 40.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        p = 1 - (0.5 * (1 + math.erf(mid / math.sqrt(2)))) ** num_classes
+        lo, hi = (mid, hi) if p > alpha else (lo, mid)
+    return hi
+
+
+def verdict_ok(r: dict) -> bool:
+    """Infected: flagged with its target (all-to-all: flagged, a label map or no single target);
+    clean: not flagged."""
+    if r["attack"] == "none":
+        return not r["suspected"]
+    if r["all_to_all"]:
+        return r["suspected"] or r["label_map"] is not None
+    return r["suspected"] and r["label"] == r["target"]
+
+
+class DetectTable(ResultsTable):
+    def markdown(self) -> str:
+        lines = [f"# {self.title}", "", f"Regenerate: `{self.regenerate}`. Score: robust z of the most reachable "
+                 f"label (pbe.detection); suspected when p < {ALPHA}. Margin: score minus the score at p = {ALPHA}. "
+                 "ok: infected flagged with its target, clean not flagged.", "",
+                 "| zoo | set | attack | target | suspected | label | score | p-value | margin | ok | epoch-eq. | "
+                 "wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in self.rows:
+            target = "all-to-all" if r["all_to_all"] else ("–" if r["target"] is None else r["target"])
+            label = r["label"] if r["label"] is not None else ("map" if r.get("label_map") else "–")
+            lines.append(f"| {r['zoo']} | {r['zoo_set']} | {r['attack']} | {target} | "
+                         f"{'yes' if r['suspected'] else 'no'} | {label} | {r['score']:.2f} | {r['p_value']:.2g} | "
+                         f"{r['margin']:+.2f} | {'yes' if verdict_ok(r) else '**no**'} | "
+                         f"{r['epoch_equivalents']:.2f} | {r['wall_s']:.0f} |")
+        for zoo_set in ("dev", "generalisation"):
+            rows = [r for r in self.rows if r["zoo_set"] == zoo_set]
+            if not rows:
+                continue
+            infected = torch.tensor([r["attack"] != "none" for r in rows])
+            scores = torch.tensor([r["score"] for r in rows])
+            auc = roc_auc_score(infected.numpy(), scores.numpy()) if 0 < int(infected.sum()) < len(rows) else None
+            lines += ["", f"{zoo_set}: {sum(verdict_ok(r) for r in rows)} of {len(rows)} verdicts right; ROC-AUC "
+                      f"of the score, infected vs clean: {'–' if auc is None else f'{auc:.3f}'}; mean cost "
+                      f"{sum(r['epoch_equivalents'] for r in rows) / len(rows):.2f} epoch-equivalents."]
+        lines += ["", "Hardware, command, seed, rates per label and label maps are in the JSON."]
+        return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--set", choices=zoo.SETS, dest="zoo_set", help="one zoo set (default: both)")
+    ap.add_argument("--dataset", help="one dataset (default: all)")
+    ap.add_argument("--only", nargs="*", help="zoo names, their last part, or attacks")
+    ap.add_argument("--split", choices=("test", "train"), default="test",
+                    help="the defender's images: the test set (default) or the possibly poisoned training set")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    table = DetectTable(HERE / "results" / "detect", "Trigger-free detection on the zoo",
+                        "python experiments/detect.py")
+    for name in zoo.available(args.zoo_set):
+        entry = zoo.get(name)
+        if args.dataset and entry.dataset != args.dataset:
+            continue
+        if args.only and not {name, name.split("/")[-1], entry.attack} & set(args.only):
+            continue
+        if not zoo.is_built(name):
+            print(f"skip {name}: not built yet", flush=True)
+            continue
+        cell = zoo_cell(entry, "detect", args.split, args.seed)  # setting: whose images the defender has
+        if same_zoo_model(table.find(**cell), entry):
+            print(f"skip {name}: already in the table", flush=True)
+            continue
+        z = zoo.load(name)
+        start = time.time()
+        d = detect(z.model, z.test_set if args.split == "test" else z.train_set, seed=args.seed)
+        r = z.row
+        table.add({**cell, "acc": r["acc"], "asr": r["asr"], "ra": r["ra"], "acc_before": None, "asr_before": None,
+                   "ra_before": None, "der": None, "detection": None, "suspected": d.suspected, "label": d.label,
+                   "top_label": d.top_label, "score": d.score, "p_value": d.p_value, "alpha": d.alpha,
+                   "margin": d.score - threshold_z(d.alpha, len(d.rates)), "rates": d.rates,
+                   "label_map": d.label_map, "images": d.images, "wall_s": round(time.time() - start, 1),
+                   "epoch_equivalents": d.epoch_equivalents(len(z.train_set)),
+                   "command": f"python experiments/detect.py --only {name} --split {args.split} --seed {args.seed}",
+                   "hardware": hardware_string(), "toolkit_version": toolkit_version(), "zoo_sha256": r["sha256"]})
+        print(f"{name}: suspected {d.suspected} label {d.label} (target {entry.target}) score {d.score:.2f} "
+              f"p {d.p_value:.2g} ee {d.epoch_equivalents(len(z.train_set)):.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
