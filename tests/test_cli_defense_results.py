@@ -21,9 +21,14 @@ def attack_run(tmp_path_factory):
 
 
 def test_cli_detect_and_erase_no_clean(attack_run, tmp_path):
-    r = run_cli("detect", "--model", str(attack_run), "--eps", "0.1", "--probe-size", "300")
+    r = run_cli("detect", "--model", str(attack_run), "--method", "kappa", "--eps", "0.1", "--probe-size", "300")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("backdoor suspected: adversarial examples point to label 0")
+    r = run_cli("detect", "--model", str(attack_run), "--l2-rms", "0.15", "--out", str(tmp_path / "det"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("backdoor suspected: target label 0"), r.stdout
+    found = json.loads((tmp_path / "det" / "detect.json").read_text())
+    assert found["label"] == 0 and found["p_value"] < found["alpha"] and len(found["rates"]) == 10
     r = run_cli("erase", "--model", str(attack_run), "--setting", "no-clean", "--poison-from", str(attack_run),
                 "--eps", "0.1", "--out", str(tmp_path), "--no-progress")
     assert r.returncode == 0, r.stderr

@@ -6,6 +6,7 @@ from pbe.activations import detect, label_concentration, neuron_overlap
 from pbe.adversarial import PGDConfig, adversarial_examples, pgd, success_rate
 from pbe.defenses import Evaluation, Schedule, aft, erase
 from pbe.demo import DIGITS_PGD, DIGITS_SCHEDULE
+from pbe.utils import PBEError
 
 
 def test_pgd_respects_budget_range_and_restores_mode(clean_model, digits):
@@ -204,3 +205,18 @@ def test_targeted_universal_and_refuse_suspected_levers(blend_model):
     assert "scan" not in report_plain
     assert (poisoned.labels[torch.tensor(report_plain["rounds"][0]["subset_indices"])] == attack.target).any()
     assert report["passes"]["forward_backward"] - report_plain["passes"]["forward_backward"] >= scan["forward_backward"]
+
+
+def test_universal_detection_names_the_target_and_spares_the_clean_model(blend_model, clean_model, digits):
+    """pbe.detect (targeted universal scan): the Blend model's target is named with a small p-value,
+    the clean model is not flagged; the cost is reported; bad arguments are refused by name."""
+    from pbe.detection import detect as scan
+    model, attack, _ = blend_model
+    found = scan(model, digits[1], images=128, l2_rms=0.15)
+    assert found.suspected and found.label == attack.target and found.p_value < found.alpha
+    assert found.rates[attack.target] == max(found.rates) and found.forward_backward > 0
+    clean = scan(clean_model, digits[1], images=128, l2_rms=0.15)
+    assert not clean.suspected and clean.label is None and clean.score < found.score
+    for bad in ({"images": 5}, {"alpha": 1.5}, {"l2_rms": 0}, {"epochs": 0}):
+        with pytest.raises(PBEError, match="detect"):
+            scan(model, digits[1], **bad)

@@ -11,6 +11,7 @@ import torch
 from pbe.cli.common import add_common, load_model_and_test
 from pbe.activations import KAPPA_THRESHOLD, PROBE_SIZE
 from pbe.adversarial import MONITOR_PGD
+from pbe.detection import ALPHA, SCAN_IMAGES, SCAN_L2_RMS
 from pbe.utils import PBEError
 
 
@@ -122,11 +123,28 @@ def cmd_erase(args) -> dict:
 
 def cmd_detect(args) -> dict:
     from pbe import data
-    from pbe.activations import detect
     model, meta, test = load_model_and_test(args)
     ds = test if args.split == "test" else data.load(args.dataset, args.data_root, "train")
-    mon = detect(model, ds, args.probe_size, _pgd_config(args, MONITOR_PGD),
-                 threshold=args.threshold, seed=args.seed).as_dict()
+    if args.method == "universal":
+        from pbe.detection import detect
+        found = detect(model, ds, images=args.images, l2_rms=args.l2_rms, alpha=args.alpha, seed=args.seed)
+        result = {**found.as_dict(), "method": "universal", "epoch_equivalents": found.epoch_equivalents(len(ds))}
+        if found.suspected:
+            print(f"backdoor suspected: target label {found.label} ({ds.classes[found.label]}), score "
+                  f"{found.score:.2f}, p-value {found.p_value:.2g} < {found.alpha}")
+        elif found.label_map:
+            print(f"backdoor suspected with no single target (all-to-all): source -> target {found.label_map}")
+        else:
+            print(f"no backdoor suspected (most reachable label {found.top_label}, score {found.score:.2f}, "
+                  f"p-value {found.p_value:.2g} >= {found.alpha})")
+        print(json.dumps(result))
+        if args.out:
+            from pbe.utils import write_json
+            write_json(args.out / "detect.json", result)
+        return result
+    from pbe.activations import detect as kappa_detect
+    mon = kappa_detect(model, ds, args.probe_size, _pgd_config(args, MONITOR_PGD),
+                       threshold=args.threshold, seed=args.seed).as_dict()
     verdict = (f"backdoor suspected: adversarial examples point to label {mon['top_label']} "
                f"({ds.classes[mon['top_label']]}), kappa {mon['top_kappa']:.2f} > {mon['threshold']}"
                if mon["suspected"] else f"no backdoor suspected (kappa {mon['top_kappa']:.2f} "
@@ -214,13 +232,20 @@ def register(sub) -> None:
                    help="defence parameter, e.g. --param epochs=20 --param retrain=quick (repeatable)")
     p.set_defaults(func=cmd_defend)
 
-    p = sub.add_parser("detect", help="is a backdoor suspected? (adversarial-label concentration, no trigger)")
+    p = sub.add_parser("detect", help="is a backdoor suspected, and which label is its target? (no trigger)")
     add_common(p)
     p.add_argument("--model", required=True)
     p.add_argument("--split", choices=["train", "test"], default="test")
-    p.add_argument("--probe-size", type=int, default=PROBE_SIZE)
+    p.add_argument("--method", choices=["universal", "kappa"], default="universal",
+                   help="universal: one small targeted universal perturbation per label, null from the other "
+                   "labels (default); kappa: PBE's adversarial-label concentration (the monitor)")
+    p.add_argument("--images", type=int, default=SCAN_IMAGES, help=f"universal: images per label (default {SCAN_IMAGES})")
+    p.add_argument("--l2-rms", type=float, default=SCAN_L2_RMS, help="universal: L2 budget as the root-mean-square "
+                   f"change per pixel (default {SCAN_L2_RMS:.4f}: norm 1 on a 3x32x32 image)")
+    p.add_argument("--alpha", type=float, default=ALPHA, help=f"universal: p-value threshold (default {ALPHA})")
+    p.add_argument("--probe-size", type=int, default=PROBE_SIZE, help=f"kappa: probe size (default {PROBE_SIZE})")
     p.add_argument("--threshold", type=float, default=KAPPA_THRESHOLD,
-                   help="kappa threshold: chance-corrected attraction of the top label")
+                   help="kappa: threshold on the chance-corrected attraction of the top label")
     _pgd_args(p)
     p.set_defaults(func=cmd_detect)
 
