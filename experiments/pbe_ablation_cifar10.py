@@ -55,6 +55,10 @@ VARIANTS = {
                          replace(FAST, adv_share=1 / 3, universal=UNI_L2_T, universal_share=1 / 3, lr=1e-3,
                                  adv_batches=(None, None), early_stop=False, universal_target=True,
                                  refuse_suspected=True)),
+    "uni_t_refuse_stop": ("uni_t_refuse + early stop when the scan no longer suspects the label",
+                          replace(FAST, adv_share=0.0, universal=UNI_L2_T, universal_share=1 / 3, lr=1e-3,
+                                  adv_batches=(None, None), early_stop=True, universal_target=True,
+                                  refuse_suspected=True)),
     "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
 }
 

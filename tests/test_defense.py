@@ -205,6 +205,12 @@ def test_targeted_universal_and_refuse_suspected_levers(blend_model):
     assert "scan" not in report_plain
     assert (poisoned.labels[torch.tensor(report_plain["rounds"][0]["subset_indices"])] == attack.target).any()
     assert report["passes"]["forward_backward"] - report_plain["passes"]["forward_backward"] >= scan["forward_backward"]
+    stop = replace(s, early_stop=True, fractions=(0.3, 0.5, 0.6), epochs=(2, 1, 1), adv_batches=(None, None, None))
+    _, report_stop = erase(model, poisoned, stop, seed=0, progress=False)
+    rescans = [r["scan"] for r in report_stop["rounds"] if "scan" in r]
+    assert len(rescans) == min(len(report_stop["rounds"]), 2)  # every round but the last re-scans
+    assert report_stop["stopped_early"] == (not rescans[-1]["suspected"])
+    assert all(sc["suspected"] for sc in rescans[:-1])  # it stops at the first scan that no longer suspects
 
 
 def test_universal_detection_names_the_target_and_spares_the_clean_model(blend_model, clean_model, digits):

@@ -55,7 +55,7 @@ class Schedule:
     weight_decay: float = 5e-4
     batch_size: int = 128
     crop_padding: int = 4
-    early_stop: bool = True  # stop once a backdoor the monitor flagged before the defence is gone
+    early_stop: bool = True  # stop once a backdoor the scan (else the monitor) flagged before is gone
     probe_size: int = PROBE_SIZE  # images attacked for the monitor
     monitor_pgd: PGDConfig = MONITOR_PGD
     adv_share: float = 1.0
@@ -220,10 +220,21 @@ class PBE(Defense):
             if ev is not None and ev.poison_indices is not None:
                 row["detection"] = ranking_quality(suspicion, z.argmax(1) != z0.argmax(1), ev.poison_indices)
             report["rounds"].append(row)
-            # stop early only on evidence: the monitor flagged a backdoor before and no longer does
-            if s.early_stop and before_mon["suspected"] and not mon.suspected:
-                stopped = t + 1 < len(s.fractions)
-                break
+            # stop early only on evidence: the scan (or, without one, the monitor) flagged a backdoor
+            # before and no longer does
+            if s.early_stop and t + 1 < len(s.fractions):
+                if target is not None:
+                    rescan = detect(model, data, l2_rms=s.scan_l2_rms, seed=ctx.seed)
+                    ctx.cost.forward_backward += rescan.forward_backward
+                    ctx.cost.forward += rescan.forward
+                    row["scan"] = rescan.as_dict()
+                    row["epoch_equivalents"] = ctx.cost.epoch_equivalents(n)
+                    gone = not rescan.suspected
+                else:
+                    gone = before_mon["suspected"] and not mon.suspected
+                if gone:
+                    stopped = True
+                    break
             if t + 1 < len(s.fractions):
                 if s.refuse_suspected and target is not None:  # stays out unless the model still says so
                     allowed = (data.labels != target) | (z.argmax(1) == target)
