@@ -114,7 +114,7 @@ def main() -> None:
                        "schedule_fields": report["schedule"], "stopped_early": report["stopped_early"],
                        "per_round": [{k: rd.get(k) for k in ("round", "subset_size", "metrics", "detection",
                                                               "epoch_equivalents")} for rd in report["rounds"]],
-                       "scan": report.get("scan")})
+                       "scan": report.get("scan"), "acc_drop_estimate": report.get("acc_drop_estimate")})
             print(f"{entry.name} {variant}: acc {b['acc']:.4f}->{a['acc']:.4f} asr {b['asr']:.4f}->{a['asr']:.4f} "
                   f"ee {report['epoch_equivalents']:.2f} wall {report['wall_s']:.0f}s", flush=True)
 

@@ -226,3 +226,15 @@ def test_universal_detection_names_the_target_and_spares_the_clean_model(blend_m
     for bad in ({"images": 5}, {"alpha": 1.5}, {"l2_rms": 0}, {"epochs": 0}):
         with pytest.raises(PBEError, match="detect"):
             scan(model, digits[1], **bad)
+
+
+def test_pbe_estimates_its_own_accuracy_drop(blend_model, digits):
+    """Without clean data PBE reports an estimate of its clean-accuracy drop, from held-out trusted
+    training samples; here it is checked against the real drop on the test set."""
+    from pbe.metrics import evaluate
+    model, attack, poisoned = blend_model
+    purified, report = erase(model, poisoned, DIGITS_SCHEDULE, seed=0, progress=False)
+    est = report["acc_drop_estimate"]
+    assert est["estimate"] is not None and est["samples"] >= 10
+    real = evaluate(model, digits[1])["acc"] - evaluate(purified, digits[1])["acc"]
+    assert abs(est["estimate"] - real) < 0.1, (est, real)

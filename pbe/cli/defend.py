@@ -46,6 +46,9 @@ def _poisoned_from(run_dir: Path, clean_train):
     return poisoned, attack
 
 
+ACC_DROP_WARNING = 0.03  # warn when a defence without clean data estimates a larger clean-accuracy drop
+
+
 def run_defense(args, defense) -> dict:
     """Shared by ``pbe defend`` and ``pbe erase``: give `defense` the data its setting allows, measure
     it against the attack (evaluation only), and write model, report, metrics and plots to --out."""
@@ -95,6 +98,13 @@ def run_defense(args, defense) -> dict:
                         test.classes)
         for when in ("monitor_before", "monitor_after"):
             summary[when] = {k: report[when][k] for k in ("top_label", "top_kappa", "suspected")}
+    estimate = (report.get("acc_drop_estimate") or {}).get("estimate")
+    if estimate is not None:
+        summary["acc_drop_estimate"] = estimate
+        if estimate > ACC_DROP_WARNING:
+            print(f"pbe {args.command}: warning: {defense.name} estimates it cost {100 * estimate:.1f} points of clean "
+                  f"accuracy (more than {100 * ACC_DROP_WARNING:.0f}); check the purified model on clean data, or "
+                  "try a smaller --lr", file=sys.stderr)
     checkpoint.save(result.model, args.out / "model", {**{k: v for k, v in meta.items() if k != "metrics"},
                                                        "defense": defense.name, "setting": defense.setting,
                                                        "seed": args.seed, "metrics": summary})

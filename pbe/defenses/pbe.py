@@ -154,6 +154,20 @@ def run_monitor(model, data: ImageDataset, probe: torch.Tensor, s: Schedule, ctx
     return monitor(model, data.images[probe], data.labels[probe], data.num_classes, s.monitor_pgd)
 
 
+def acc_drop_estimate(z0: torch.Tensor, z: torch.Tensor, labels: torch.Tensor, suspicion: torch.Tensor,
+                      allowed: torch.Tensor, trained: torch.Tensor) -> dict:
+    """PBE's own estimate of the clean-accuracy drop, without clean data: on the training samples it
+    never fine-tuned on, were not refused and are the least suspicious half (so mostly clean), the
+    share the original model got right minus the share the purified one gets right."""
+    pool = (allowed & ~trained).nonzero().flatten()
+    if len(pool) < 20:
+        return {"estimate": None, "samples": int(len(pool))}
+    trusted = pool[suspicion[pool].argsort()[:max(10, len(pool) // 2)]]
+    before = (z0[trusted].argmax(1) == labels[trusted]).float().mean()
+    after = (z[trusted].argmax(1) == labels[trusted]).float().mean()
+    return {"estimate": round(float(before - after), 5), "samples": int(len(trusted))}
+
+
 class PBE(Defense):
     """Progressive Backdoor Erasing without clean data (Mu et al., CVPR 2023,
     https://arxiv.org/abs/2202.06312).
@@ -206,8 +220,9 @@ class PBE(Defense):
             allowed = data.labels != target
         pool = allowed.nonzero().flatten()
         subset = pool[torch.randperm(len(pool), generator=ctx.gen)[:max(1, round(s.fractions[0] * n))]].sort().values
-        stopped = False
+        stopped, trained = False, torch.zeros(n, dtype=torch.bool)
         for t in range(len(s.fractions)):
+            trained[subset] = True
             adversarial_finetune(model, data.subset(subset), s.epochs[t], s.adv_batches[t], s, ctx,
                                  f"PBE round {t + 1}/{len(s.fractions)}", target)
             z = predict(model, data.images, return_logits=True)
@@ -242,7 +257,8 @@ class PBE(Defense):
                 k = min(int(allowed.sum()), max(1, round(s.fractions[t + 1] * n)))
                 subset = (-score).topk(k).indices.sort().values
         report.update(scores=[round(float(v), 6) for v in suspicion], stopped_early=stopped,
-                      monitor_after=report["rounds"][-1]["monitor"])
+                      monitor_after=report["rounds"][-1]["monitor"],
+                      acc_drop_estimate=acc_drop_estimate(z0, z, data.labels, suspicion, allowed, trained))
         return model, report, None
 
 
