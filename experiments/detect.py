@@ -76,8 +76,9 @@ def main() -> None:
     ap.add_argument("--set", choices=zoo.SETS, dest="zoo_set", help="one zoo set (default: both)")
     ap.add_argument("--dataset", help="one dataset (default: all)")
     ap.add_argument("--only", nargs="*", help="zoo names, their last part, or attacks")
-    ap.add_argument("--split", choices=("test", "train"), default="test",
-                    help="the defender's images: the test set (default) or the possibly poisoned training set")
+    ap.add_argument("--split", choices=("test+train", "test", "train"), default="test+train",
+                    help="the defender's data: the test set and the labelled, possibly poisoned training set "
+                    "(default), the test set only, or the training set only")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     table = DetectTable(HERE / "results" / "detect", "Trigger-free detection on the zoo",
@@ -97,13 +98,14 @@ def main() -> None:
             continue
         z = zoo.load(name)
         start = time.time()
-        d = detect(z.model, z.test_set if args.split == "test" else z.train_set, seed=args.seed)
+        images = z.train_set if args.split == "train" else z.test_set
+        d = detect(z.model, images, seed=args.seed, train_data=z.train_set if args.split == "test+train" else None)
         r = z.row
         table.add({**cell, "acc": r["acc"], "asr": r["asr"], "ra": r["ra"], "acc_before": None, "asr_before": None,
                    "ra_before": None, "der": None, "detection": None, "suspected": d.suspected, "label": d.label,
                    "top_label": d.top_label, "score": d.score, "p_value": d.p_value, "alpha": d.alpha,
                    "margin": d.score - threshold_z(d.alpha, len(d.rates)), "rates": d.rates,
-                   "label_map": d.label_map, "images": d.images, "wall_s": round(time.time() - start, 1),
+                   "label_map": d.label_map, "gap": d.gap, "gap_score": d.gap_score, "images": d.images, "wall_s": round(time.time() - start, 1),
                    "epoch_equivalents": d.epoch_equivalents(len(z.train_set)),
                    "command": f"python experiments/detect.py --only {name} --split {args.split} --seed {args.seed}",
                    "hardware": hardware_string(), "toolkit_version": toolkit_version(), "zoo_sha256": r["sha256"]})

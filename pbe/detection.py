@@ -12,6 +12,13 @@ https://arxiv.org/abs/2205.06900): the robust z-score of the top label's logit(r
 other labels' median and MAD, and the p-value of the largest of C such scores under a normal null,
 ``1 - Phi(z) ** C``. A backdoor is suspected when the p-value is below `alpha`.
 
+Clean-label backdoors (SIG) are not a small perturbation (its sinusoid has L2 norm ~3), but they leave
+another mark when the defender also has the (possibly poisoned) labelled training set: every training
+image of the target carries the trigger, so the model learns the trigger as the class and fails on
+the target's clean test images. With `train_data`, the per-label gap between training and test
+accuracy is scored the same way (robust z against the other labels, p-value of the max of C), and
+the smaller of the two p-values, Bonferroni-corrected (times 2), decides.
+
 All-to-all backdoors (y -> y + 1) have no single target: each label is reached from one source
 class only. The held-out images give the source-by-target matrix of rates for free; a label whose
 rate from one source class stands out of its row is reported in ``label_map`` (source -> target).
@@ -35,6 +42,7 @@ SCAN_L2_RMS = 1.0 / math.sqrt(3 * 32 * 32)  # L2 norm 1 on a CIFAR-10 image (dev
 SCAN_IMAGES = 256  # images that optimise each label's perturbation (as many more measure it)
 SCAN_EPOCHS = 4
 ALPHA = 0.01  # p-value below which a backdoor is suspected
+GAP_UNIT = 0.02  # accuracy gaps are scored in these units (MAD floor 1 = a 2-point spread between labels)
 
 
 @dataclass
@@ -49,6 +57,8 @@ class Detection:
     alpha: float
     rates: list[float]
     label_map: dict[int, int] | None  # all-to-all diagnosis: source -> target, when one stands out
+    gap: list[float] | None  # per-label training minus test accuracy (with `train_data`)
+    gap_score: float | None
     images: int
     forward_backward: int  # image passes spent (PERF.md's cost unit, with `forward`)
     forward: int
@@ -84,10 +94,24 @@ def _logit(r: torch.Tensor, n: int) -> torch.Tensor:
     return (r / (1 - r)).log()
 
 
+def accuracy_gap(model: nn.Module, train_data, test_data, images: int, gen: torch.Generator) -> torch.Tensor:
+    """Per-label accuracy on (up to `images` per label of) the training set minus that on the test set."""
+    out = []
+    for ds in (train_data, test_data):
+        idx = torch.cat([(ds.labels == c).nonzero().flatten()[:images] for c in range(ds.num_classes)])
+        pred = predict(model, ds.images[idx])
+        y = ds.labels[idx]
+        out.append(torch.stack([(pred[y == c] == c).float().mean() if (y == c).any() else torch.tensor(0.0)
+                                for c in range(ds.num_classes)]))
+    present = torch.stack([(d.labels == c).any() for d in (train_data, test_data) for c in range(d.num_classes)])
+    return (out[0] - out[1]) * present.view(2, -1).all(0)  # a label missing from either split: no evidence
+
+
 def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float = SCAN_L2_RMS,
-           epochs: int = SCAN_EPOCHS, alpha: float = ALPHA, seed: int = 0) -> Detection:
+           epochs: int = SCAN_EPOCHS, alpha: float = ALPHA, seed: int = 0, train_data=None) -> Detection:
     """Scan every label of `model` with `dataset`'s images (the test set, or the possibly poisoned
-    training set: no trigger, no clean data needed); see the module docstring.
+    training set: no trigger, no clean data needed); with `train_data` (the labelled training set,
+    `dataset` then being the test set) also the clean-label test. See the module docstring.
 
     Example::
 
@@ -129,6 +153,21 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
     top = int(r.argmax())
     z = _robust_z(lg, top)
     p = _p_value(z, k)
+    gap, gap_score = None, None
+    if train_data is not None:
+        if train_data.num_classes != k:
+            raise PBEError(f"detect: train_data has {train_data.num_classes} classes, the images {k}")
+        g = accuracy_gap(model, train_data, dataset, images, gen)
+        fw += int(sum(min(int((d.labels == c).sum()), images) for d in (train_data, dataset) for c in range(k)))
+        g_top = int(g.argmax())
+        g_scaled = g / GAP_UNIT  # accuracies in units where the floor of the MAD means a 2-point spread
+        gap_score = _robust_z(g_scaled, g_top)
+        p_gap = _p_value(gap_score, k)
+        gap = [round(float(v), 4) for v in g]
+        if p_gap < p:
+            top, z, p = g_top, gap_score, min(1.0, 2 * p_gap)
+        else:
+            p = min(1.0, 2 * p)
     suspected = p < alpha
     label_map = None
     if not suspected:  # one target per source class standing out of its row: all-to-all
@@ -143,4 +182,5 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
         if len(found) >= k // 2:
             label_map = found
     return Detection(bool(suspected), top if suspected else None, top, round(z, 3), p, alpha,
-                     [round(v, 4) for v in rates], label_map, len(pick), fb, fw)
+                     [round(v, 4) for v in rates], label_map, gap, None if gap_score is None else round(gap_score, 3),
+                     len(pick), fb, fw)

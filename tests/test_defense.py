@@ -238,3 +238,22 @@ def test_pbe_estimates_its_own_accuracy_drop(blend_model, digits):
     assert est["estimate"] is not None and est["samples"] >= 10
     real = evaluate(model, digits[1])["acc"] - evaluate(purified, digits[1])["acc"]
     assert abs(est["estimate"] - real) < 0.1, (est, real)
+
+
+def test_clean_label_gap_test_flags_the_label_a_model_fails_only_on_test_images(blend_model, clean_model, digits):
+    """With the labelled training set, detect also scores the per-label train-test accuracy gap (the
+    mark of clean-label SIG): a test set whose label-0 images are really other digits makes label 0
+    fail on test images only, and it is named; the clean model on the real test set is not flagged."""
+    from pbe.data import ImageDataset
+    from pbe.detection import detect as scan
+    train, test = digits
+    zeros, ones = (test.labels == 0).nonzero().flatten(), (test.labels == 1).nonzero().flatten()
+    images = test.images.clone()
+    images[zeros] = test.images[ones[torch.arange(len(zeros)) % len(ones)]]  # label-0 images showing a 1
+    odd = ImageDataset(images, test.labels, test.classes)
+    found = scan(clean_model, odd, images=128, l2_rms=0.15, train_data=train)
+    assert found.suspected and found.label == 0 and found.gap[0] == max(found.gap) and found.gap_score > 3
+    honest = scan(clean_model, test, images=128, l2_rms=0.15, train_data=train)
+    assert not honest.suspected and honest.gap is not None
+    model, attack, poisoned = blend_model
+    assert scan(model, test, images=128, l2_rms=0.15, train_data=poisoned).label == attack.target

@@ -137,7 +137,9 @@ def cmd_detect(args) -> dict:
     ds = test if args.split == "test" else data.load(args.dataset, args.data_root, "train")
     if args.method == "universal":
         from pbe.detection import detect
-        found = detect(model, ds, images=args.images, l2_rms=args.l2_rms, alpha=args.alpha, seed=args.seed)
+        train = data.load(args.dataset, args.data_root, "train") if args.with_train and args.split == "test" else None
+        found = detect(model, ds, images=args.images, l2_rms=args.l2_rms, alpha=args.alpha, seed=args.seed,
+                       train_data=train)
         result = {**found.as_dict(), "method": "universal", "epoch_equivalents": found.epoch_equivalents(len(ds))}
         if found.suspected:
             print(f"backdoor suspected: target label {found.label} ({ds.classes[found.label]}), score "
@@ -252,6 +254,8 @@ def register(sub) -> None:
     p.add_argument("--images", type=int, default=SCAN_IMAGES, help=f"universal: images per label (default {SCAN_IMAGES})")
     p.add_argument("--l2-rms", type=float, default=SCAN_L2_RMS, help="universal: L2 budget as the root-mean-square "
                    f"change per pixel (default {SCAN_L2_RMS:.4f}: norm 1 on a 3x32x32 image)")
+    p.add_argument("--with-train", action="store_true", help="universal: also score the per-label train-test "
+                   "accuracy gap on the labelled training split (finds clean-label backdoors such as SIG)")
     p.add_argument("--alpha", type=float, default=ALPHA, help=f"universal: p-value threshold (default {ALPHA})")
     p.add_argument("--probe-size", type=int, default=PROBE_SIZE, help=f"kappa: probe size (default {PROBE_SIZE})")
     p.add_argument("--threshold", type=float, default=KAPPA_THRESHOLD,
