@@ -7,8 +7,9 @@ Backends: ``native`` (plain torch, default) and ``foolbox`` (foolbox 3.3.4 LinfP
 from __future__ import annotations
 
 import contextlib
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -195,6 +196,7 @@ class UniversalConfig:
     epochs: int = 5
     step: float | None = None  # default eps / 4 (linf, l2) or 0.05 (patch)
     batch_size: int = 128
+    per_pixel: bool = False  # "l2": `eps` is the root-mean-square change per pixel (any image size)
 
     def __post_init__(self):
         if self.kind not in ("linf", "l2", "patch"):
@@ -213,6 +215,8 @@ def universal_perturbation(model: nn.Module, images: torch.Tensor, labels: torch
     cfg = cfg or UniversalConfig()
     dev = device or next(model.parameters()).device
     c, h, w = images.shape[1:]
+    if cfg.per_pixel and cfg.kind == "l2":
+        cfg = replace(cfg, eps=cfg.eps * math.sqrt(c * h * w), per_pixel=False)
     if cfg.kind == "patch":
         delta = torch.rand(c, cfg.size, cfg.size, generator=generator).to(dev)
         step = 0.05 if cfg.step is None else cfg.step

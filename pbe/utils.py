@@ -77,10 +77,31 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tmp)
     try:
         yield tmp
+        if tmp.exists():
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the result gets the user's umask
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def check_writable(folder: str | os.PathLike, flag: str = "--out") -> Path:
+    """Create `folder` if needed and prove a file can be written there, before any work starts."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".pbe-write-check.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise PBEError(f"{flag} {folder} is not writable ({err.strerror}); choose another folder") from err
+    return folder
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:

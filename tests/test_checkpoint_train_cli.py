@@ -89,3 +89,22 @@ def test_cli_user_errors_are_one_line(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and "CIFAR-10 not found" in r.stderr
     r = run_cli("evaluate", "--model", str(tmp_path / "missing"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_out_is_checked_writable_before_work_and_files_follow_the_umask(tmp_path):
+    import os
+    import time
+
+    from pbe.utils import write_json
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    start = time.time()
+    r = run_cli("train", "--recipe", "tiny", "--out", str(blocker / "run"))
+    assert r.returncode == 2 and "is not writable" in r.stderr and "Traceback" not in r.stderr
+    assert not list(tmp_path.glob("**/model.safetensors")) and time.time() - start < 60
+    old = os.umask(0o027)
+    try:
+        write_json(tmp_path / "x.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "x.json").stat().st_mode & 0o777 == 0o640

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from pbe.utils import PBEError
+from pbe.utils import PBEError, check_writable
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -70,6 +70,7 @@ def train_and_save(args, recipe, fit, attack=None, extra_meta: dict | None = Non
 
     if args.out is None:
         raise PBEError(f"pbe {args.command} needs --out DIR for the model and its metrics")
+    check_writable(args.out)
     run = {"command": args.command, "dataset": args.dataset, "seed": args.seed, "recipe_fields": asdict(recipe),
            **json.loads(json.dumps(extra_meta or {}))}
     if getattr(args, "overwrite", False) and (args.out / TRAIN_STATE).exists():

@@ -12,7 +12,7 @@ from pbe.cli.common import add_common, load_model_and_test
 from pbe.activations import KAPPA_THRESHOLD, PROBE_SIZE
 from pbe.adversarial import MONITOR_PGD
 from pbe.detection import ALPHA, SCAN_IMAGES, SCAN_L2_RMS
-from pbe.utils import PBEError
+from pbe.utils import PBEError, check_writable
 
 
 def _pgd_args(p) -> None:
@@ -59,6 +59,7 @@ def run_defense(args, defense) -> dict:
 
     if args.out is None:
         raise PBEError(f"pbe {args.command} needs --out DIR")
+    check_writable(args.out)
     model, meta, test = load_model_and_test(args)
     attack = None
     if args.attack_state:
