@@ -48,23 +48,21 @@ class DetectTable(ResultsTable):
         lines = [f"# {self.title}", "", f"Regenerate: `{self.regenerate}`. Score: robust z of the most reachable "
                  f"label (pbe.detection); suspected when p < {ALPHA}. Margin: score minus the score at p = {ALPHA}. "
                  "ok: infected flagged with its target, clean not flagged.", "",
-                 "| zoo | set | attack | target | suspected | label | score | p-value | margin | ok | epoch-eq. | "
-                 "wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "| zoo | set | data | attack | target | suspected | label | score | p-value | margin | ok | epoch-eq. | "
+                 "wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in self.rows:
             target = "all-to-all" if r["all_to_all"] else ("–" if r["target"] is None else r["target"])
             label = r["label"] if r["label"] is not None else ("map" if r.get("label_map") else "–")
-            lines.append(f"| {r['zoo']} | {r['zoo_set']} | {r['attack']} | {target} | "
+            lines.append(f"| {r['zoo']} | {r['zoo_set']} | {r['setting']} | {r['attack']} | {target} | "
                          f"{'yes' if r['suspected'] else 'no'} | {label} | {r['score']:.2f} | {r['p_value']:.2g} | "
                          f"{r['margin']:+.2f} | {'yes' if verdict_ok(r) else '**no**'} | "
                          f"{r['epoch_equivalents']:.2f} | {r['wall_s']:.0f} |")
-        for zoo_set in ("dev", "generalisation"):
-            rows = [r for r in self.rows if r["zoo_set"] == zoo_set]
-            if not rows:
-                continue
+        for zoo_set, split in sorted({(r["zoo_set"], r["setting"]) for r in self.rows}):
+            rows = [r for r in self.rows if r["zoo_set"] == zoo_set and r["setting"] == split]
             infected = torch.tensor([r["attack"] != "none" for r in rows])
             scores = torch.tensor([r["score"] for r in rows])
             auc = roc_auc_score(infected.numpy(), scores.numpy()) if 0 < int(infected.sum()) < len(rows) else None
-            lines += ["", f"{zoo_set}: {sum(verdict_ok(r) for r in rows)} of {len(rows)} verdicts right; ROC-AUC "
+            lines += ["", f"{zoo_set}, {split} data: {sum(verdict_ok(r) for r in rows)} of {len(rows)} verdicts right; ROC-AUC "
                       f"of the score, infected vs clean: {'–' if auc is None else f'{auc:.3f}'}; mean cost "
                       f"{sum(r['epoch_equivalents'] for r in rows) / len(rows):.2f} epoch-equivalents."]
         lines += ["", "Hardware, command, seed, rates per label and label maps are in the JSON."]
