@@ -59,6 +59,10 @@ VARIANTS = {
                           replace(FAST, adv_share=0.0, universal=UNI_L2_T, universal_share=1 / 3, lr=1e-3,
                                   adv_batches=(None, None), early_stop=True, universal_target=True,
                                   refuse_suspected=True)),
+    "uni_t_refuse_stop_cos": ("uni_t_refuse_stop + lr cosine-annealed to 0 within each round",
+                              replace(FAST, adv_share=0.0, universal=UNI_L2_T, universal_share=1 / 3, lr=1e-3,
+                                      lr_schedule="cosine", adv_batches=(None, None), early_stop=True,
+                                      universal_target=True, refuse_suspected=True)),
     "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
 }
 

@@ -51,6 +51,7 @@ class Schedule:
     adv_batches: tuple[int | None, ...] = (None, 10)
     pgd: PGDConfig = PGDConfig(eps=PAPER_EPS, steps=4, step=2 / 255)
     lr: float = 0.01
+    lr_schedule: str = "constant"  # or "cosine": annealed to 0 within each round
     momentum: float = 0.9
     weight_decay: float = 5e-4
     batch_size: int = 128
@@ -76,6 +77,8 @@ class Schedule:
             raise PBEError(f"schedule epochs must be >= 1, got {self.epochs}")
         if not self.lr > 0:
             raise PBEError(f"schedule lr must be > 0, got {self.lr}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise PBEError(f"schedule lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
         if not (0 <= self.adv_share <= 1 and 0 <= self.universal_share <= 1):
             raise PBEError(f"adv_share and universal_share must be in [0, 1], got {self.adv_share}, "
                            f"{self.universal_share}")
@@ -90,8 +93,14 @@ SCHEDULES = {
     # the authors' code: 4 rounds of 10 epochs, lr 1e-3, PGD-7 at 6/255, subsets 5/20/50/70%
     "paper": Schedule(fractions=(0.05, 0.2, 0.5, 0.7), epochs=(10, 10, 10, 10), adv_batches=(None, 31, 31, 31),
                       pgd=PAPER_PGD, lr=0.001, crop_padding=5, early_stop=False),
-    # the default: two short rounds, fewer PGD steps, early stop (about 2-3 epoch-equivalents)
+    # the first default: two short rounds, fewer PGD steps, early stop (about 2-3 epoch-equivalents)
     "fast": Schedule(),
+    # the scan names the suspected target; its samples stay out of round 1, and a third of every batch
+    # gets a universal perturbation targeted at it (re-optimised each epoch, the scan's budget) with the
+    # samples' own labels; no PGD; stop when the scan no longer suspects the label (pbe_ablation_cifar10)
+    "targeted": Schedule(adv_share=0.0, universal=UniversalConfig(kind="l2", eps=SCAN_L2_RMS, per_pixel=True),
+                         universal_share=1 / 3, lr=1e-3, adv_batches=(None, None), universal_target=True,
+                         refuse_suspected=True, early_stop=True),
 }
 
 
@@ -144,7 +153,7 @@ def adversarial_finetune(model: nn.Module, data: ImageDataset, epochs: int, adv_
     (`target`: the suspected label, for ``s.universal_target``)."""
     batches = AdversarialBatches(model, data, s, adv_batches, ctx, target)
     sgd_finetune(model, data, ctx, epochs=epochs, lr=s.lr, batch_size=s.batch_size, momentum=s.momentum,
-                 weight_decay=s.weight_decay, crop_padding=s.crop_padding, lr_schedule="constant",
+                 weight_decay=s.weight_decay, crop_padding=s.crop_padding, lr_schedule=s.lr_schedule,
                  transform=batches, on_epoch=batches.new_epoch, desc=desc)
 
 
