@@ -5,7 +5,7 @@ from pbe import metrics
 from pbe.activations import detect, label_concentration, neuron_overlap
 from pbe.adversarial import PGDConfig, adversarial_examples, pgd, success_rate
 from pbe.defenses import Evaluation, Schedule, aft, erase
-from pbe.demo import DIGITS_PGD, DIGITS_SCHEDULE
+from pbe.demo import DIGITS_PGD, DIGITS_SCAN_L2_RMS, DIGITS_SCHEDULE
 from pbe.utils import PBEError
 
 
@@ -189,7 +189,8 @@ def test_targeted_universal_and_refuse_suspected_levers(blend_model):
     def spy(*a, target=None, **k):
         targets.append(target)
         return real_uni(*a, target=target, **k)
-    s = replace(DIGITS_SCHEDULE, refuse_suspected=True, universal_target=True, early_stop=False, scan_l2_rms=0.15,
+    s = replace(DIGITS_SCHEDULE, refuse_suspected=True, universal_target=True, early_stop=False,
+                scan_l2_rms=DIGITS_SCAN_L2_RMS,
                 universal=UniversalConfig(kind="l2", eps=1.0, epochs=1), universal_share=0.25, universal_images=64,
                 adv_share=0.5)
     with pytest.MonkeyPatch.context() as mp:
@@ -218,10 +219,10 @@ def test_universal_detection_names_the_target_and_spares_the_clean_model(blend_m
     the clean model is not flagged; the cost is reported; bad arguments are refused by name."""
     from pbe.detection import detect as scan
     model, attack, _ = blend_model
-    found = scan(model, digits[1], images=128, l2_rms=0.15)
+    found = scan(model, digits[1], images=128, l2_rms=DIGITS_SCAN_L2_RMS)
     assert found.suspected and found.label == attack.target and found.p_value < found.alpha
     assert found.rates[attack.target] == max(found.rates) and found.forward_backward > 0
-    clean = scan(clean_model, digits[1], images=128, l2_rms=0.15)
+    clean = scan(clean_model, digits[1], images=128, l2_rms=DIGITS_SCAN_L2_RMS)
     assert not clean.suspected and clean.label is None and clean.score < found.score
     for bad in ({"images": 5}, {"alpha": 1.5}, {"l2_rms": 0}, {"epochs": 0}):
         with pytest.raises(PBEError, match="detect"):
@@ -251,9 +252,9 @@ def test_clean_label_gap_test_flags_the_label_a_model_fails_only_on_test_images(
     images = test.images.clone()
     images[zeros] = test.images[ones[torch.arange(len(zeros)) % len(ones)]]  # label-0 images showing a 1
     odd = ImageDataset(images, test.labels, test.classes)
-    found = scan(clean_model, odd, images=128, l2_rms=0.15, train_data=train)
+    found = scan(clean_model, odd, images=128, l2_rms=DIGITS_SCAN_L2_RMS, train_data=train)
     assert found.suspected and found.label == 0 and found.gap[0] == max(found.gap) and found.gap_score > 3
-    honest = scan(clean_model, test, images=128, l2_rms=0.15, train_data=train)
+    honest = scan(clean_model, test, images=128, l2_rms=DIGITS_SCAN_L2_RMS, train_data=train)
     assert not honest.suspected and honest.gap is not None
     model, attack, poisoned = blend_model
-    assert scan(model, test, images=128, l2_rms=0.15, train_data=poisoned).label == attack.target
+    assert scan(model, test, images=128, l2_rms=DIGITS_SCAN_L2_RMS, train_data=poisoned).label == attack.target
