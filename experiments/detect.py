@@ -18,7 +18,7 @@ from common import HERE, same_zoo_model, zoo_cell
 from sklearn.metrics import roc_auc_score
 
 from pbe import zoo
-from pbe.detection import ALPHA, detect
+from pbe.detection import ALPHA, METHOD, detect
 from pbe.results import ResultsTable
 from pbe.utils import hardware_string, toolkit_version
 
@@ -46,15 +46,17 @@ def verdict_ok(r: dict) -> bool:
 class DetectTable(ResultsTable):
     def markdown(self) -> str:
         lines = [f"# {self.title}", "", f"Regenerate: `{self.regenerate}`. Score: robust z of the most reachable "
-                 f"label (pbe.detection); suspected when p < {ALPHA}. Margin: score minus the score at p = {ALPHA}. "
+                 f"label (pbe.detection); suspected when p < {ALPHA}. Margin: score minus the score at p = {ALPHA} "
+                 "(Bonferroni over the statistics tried). "
                  "ok: infected flagged with its target, clean not flagged.", "",
-                 "| zoo | set | data | attack | target | suspected | label | score | p-value | margin | ok | epoch-eq. | "
-                 "wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "| zoo | set | data | attack | target | suspected | label | evidence | score | p-value | margin | ok | "
+                 "epoch-eq. | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in self.rows:
             target = "all-to-all" if r["all_to_all"] else ("–" if r["target"] is None else r["target"])
             label = r["label"] if r["label"] is not None else ("map" if r.get("label_map") else "–")
             lines.append(f"| {r['zoo']} | {r['zoo_set']} | {r['setting']} | {r['attack']} | {target} | "
-                         f"{'yes' if r['suspected'] else 'no'} | {label} | {r['score']:.2f} | {r['p_value']:.2g} | "
+                         f"{'yes' if r['suspected'] else 'no'} | {label} | {r.get('evidence', 'universal')} | "
+                         f"{r['score']:.2f} | {r['p_value']:.2g} | "
                          f"{r['margin']:+.2f} | {'yes' if verdict_ok(r) else '**no**'} | "
                          f"{r['epoch_equivalents']:.2f} | {r['wall_s']:.0f} |")
         for zoo_set, split in sorted({(r["zoo_set"], r["setting"]) for r in self.rows}):
@@ -91,7 +93,8 @@ def main() -> None:
             print(f"skip {name}: not built yet", flush=True)
             continue
         cell = zoo_cell(entry, "detect", args.split, args.seed)  # setting: whose images the defender has
-        if same_zoo_model(table.find(**cell), entry):
+        found = table.find(**cell)
+        if same_zoo_model(found, entry) and found.get("method") == METHOD:
             print(f"skip {name}: already in the table", flush=True)
             continue
         z = zoo.load(name)
@@ -102,8 +105,10 @@ def main() -> None:
         table.add({**cell, "acc": r["acc"], "asr": r["asr"], "ra": r["ra"], "acc_before": None, "asr_before": None,
                    "ra_before": None, "der": None, "detection": None, "suspected": d.suspected, "label": d.label,
                    "top_label": d.top_label, "score": d.score, "p_value": d.p_value, "alpha": d.alpha,
-                   "margin": d.score - threshold_z(d.alpha, len(d.rates)), "rates": d.rates,
-                   "label_map": d.label_map, "gap": d.gap, "gap_score": d.gap_score, "images": d.images, "wall_s": round(time.time() - start, 1),
+                   "margin": d.score - threshold_z(d.alpha / len(d.scores), len(d.rates)), "rates": d.rates,
+                   "label_map": d.label_map, "method": METHOD, "evidence": d.evidence,
+                   "per_image_rates": d.per_image_rates, "scores": d.scores, "gap": d.gap, "gap_score": d.gap_score,
+                   "images": d.images, "wall_s": round(time.time() - start, 1),
                    "epoch_equivalents": d.epoch_equivalents(len(z.train_set)),
                    "command": f"python experiments/detect.py --only {name} --split {args.split} --seed {args.seed}",
                    "hardware": hardware_string(), "toolkit_version": toolkit_version(), "zoo_sha256": r["sha256"]})

@@ -1,7 +1,8 @@
-"""Untargeted PGD (Madry et al. 2018) in L-inf or L2, on inputs in [0, 1].
+"""PGD (Madry et al. 2018) in L-inf or L2, on inputs in [0, 1]: untargeted (away from the samples' own
+labels) or, with `target`, targeted (toward a given label, e.g. a suspected backdoor target).
 
 The model is put in eval mode for the attack and its mode restored afterwards; its parameters stop
-tracking gradients while attacking (~1.6x faster on CPU). Labels are the samples' own labels.
+tracking gradients while attacking (~1.6x faster on CPU).
 Backends: ``native`` (plain torch, default) and ``foolbox`` (foolbox 3.3.4 LinfPGD / L2PGD).
 """
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _project(x_adv: torch.Tensor, x: torch.Tensor, cfg: PGDConfig) -> torch.Tens
 
 
 def _native(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: PGDConfig,
-            generator: torch.Generator | None) -> torch.Tensor:
+            generator: torch.Generator | None, target: torch.Tensor | None = None) -> torch.Tensor:
     x_adv = x.detach().clone()
     if cfg.random_start and cfg.eps > 0:
         noise = torch.rand(x.shape, generator=generator).to(x.device) * 2 - 1
@@ -92,7 +93,8 @@ def _native(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: PGDConfig,
         x_adv = _project(x_adv, x, cfg)
     for _ in range(cfg.steps):
         x_adv.requires_grad_(True)
-        loss = F.cross_entropy(model(x_adv), y)
+        logits = model(x_adv)
+        loss = F.cross_entropy(logits, y) if target is None else -F.cross_entropy(logits, target)
         (grad,) = torch.autograd.grad(loss, x_adv)
         with torch.no_grad():
             direction = grad.sign() if cfg.norm == "linf" else _l2_normalize(grad)
@@ -100,7 +102,8 @@ def _native(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: PGDConfig,
     return x_adv.detach()
 
 
-def _foolbox(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: PGDConfig) -> torch.Tensor:
+def _foolbox(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: PGDConfig,
+             target: torch.Tensor | None = None) -> torch.Tensor:
     os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")  # foolbox imports GitPython at import time
     import warnings
     with warnings.catch_warnings():
@@ -109,20 +112,25 @@ def _foolbox(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: PGDConfig)
     fmodel = fb.PyTorchModel(model, bounds=(0, 1), device=x.device)
     cls = fb.attacks.LinfPGD if cfg.norm == "linf" else fb.attacks.L2PGD
     attack = cls(abs_stepsize=cfg.step_size, steps=cfg.steps, random_start=cfg.random_start)
-    _, clipped, _ = attack(fmodel, x, y.long(), epsilons=cfg.eps)  # no torch.no_grad around foolbox
+    criterion = y.long() if target is None else fb.criteria.TargetedMisclassification(target.long())
+    _, clipped, _ = attack(fmodel, x, criterion, epsilons=cfg.eps)  # no torch.no_grad around foolbox
     return clipped.detach()
 
 
 def pgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: PGDConfig | None = None,
-        generator: torch.Generator | None = None, **kw) -> torch.Tensor:
-    """Untargeted adversarial examples of a batch: within eps of `x` and inside [0, 1]."""
+        generator: torch.Generator | None = None, target: int | torch.Tensor | None = None,
+        **kw) -> torch.Tensor:
+    """Adversarial examples of a batch, within eps of `x` and inside [0, 1]: untargeted (raise the
+    loss of `y`) or, with `target` (one label, or one per image), targeted (lower the loss of it)."""
     cfg = cfg or PGDConfig(**kw)
     if x.dtype == torch.uint8 or float(x.min()) < 0 or float(x.max()) > 1:
         raise PBEError("pgd() takes float images in [0, 1]")
+    if target is not None:
+        target = torch.as_tensor(target, device=x.device).long().expand(len(x))
     with attacking(model):
         if cfg.backend == "foolbox":
-            return _foolbox(model, x, y, cfg)
-        return _native(model, x, y, cfg, generator)
+            return _foolbox(model, x, y, cfg, target)
+        return _native(model, x, y, cfg, generator, target)
 
 
 def adversarial_examples(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, cfg: PGDConfig | None = None,

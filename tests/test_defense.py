@@ -6,6 +6,8 @@ from pbe.activations import detect, label_concentration, neuron_overlap
 from pbe.adversarial import PGDConfig, adversarial_examples, pgd, success_rate
 from pbe.defenses import Evaluation, Schedule, aft, erase
 from pbe.demo import DIGITS_PGD, DIGITS_SCAN_L2_RMS, DIGITS_SCHEDULE
+
+DIGITS_SCAN_IMAGES = 180  # all 360 test images: half optimise each label's perturbation, half measure it
 from pbe.utils import PBEError
 
 
@@ -219,14 +221,32 @@ def test_universal_detection_names_the_target_and_spares_the_clean_model(blend_m
     the clean model is not flagged; the cost is reported; bad arguments are refused by name."""
     from pbe.detection import detect as scan
     model, attack, _ = blend_model
-    found = scan(model, digits[1], images=128, l2_rms=DIGITS_SCAN_L2_RMS)
+    found = scan(model, digits[1], images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS)
     assert found.suspected and found.label == attack.target and found.p_value < found.alpha
     assert found.rates[attack.target] == max(found.rates) and found.forward_backward > 0
-    clean = scan(clean_model, digits[1], images=128, l2_rms=DIGITS_SCAN_L2_RMS)
+    clean = scan(clean_model, digits[1], images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS)
     assert not clean.suspected and clean.label is None and clean.score < found.score
-    for bad in ({"images": 5}, {"alpha": 1.5}, {"l2_rms": 0}, {"epochs": 0}):
+    for bad in ({"images": 5}, {"alpha": 1.5}, {"l2_rms": 0}, {"epochs": 0}, {"pgd_eps": -0.1}):
         with pytest.raises(PBEError, match="detect"):
             scan(model, digits[1], **bad)
+
+
+def test_per_image_probe_is_a_second_statistic_with_a_bonferroni_correction(blend_model, digits):
+    """The per-image targeted probe measures one rate per label, costs PGD passes, and enters the
+    decision as a second statistic: the reported p-value is the smallest one times the number of
+    statistics; without it (pgd_eps=0) only the universal one is scored."""
+    from pbe.detection import _p_value
+    from pbe.detection import detect as scan
+    model, attack, _ = blend_model
+    both = scan(model, digits[1], images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS, pgd_eps=0.2)
+    alone = scan(model, digits[1], images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS, pgd_eps=0.0)
+    assert len(both.per_image_rates) == 10 and alone.per_image_rates is None
+    assert set(both.scores) == {"universal", "per_image"} and set(alone.scores) == {"universal"}
+    assert both.forward_backward > alone.forward_backward and both.rates == alone.rates
+    best = max(both.scores.values())
+    assert both.score == best and both.p_value == pytest.approx(min(1.0, 2 * _p_value(best, 10)), rel=0.02)
+    assert both.evidence == max(both.scores, key=both.scores.get)
+    assert both.per_image_rates[attack.target] == max(both.per_image_rates)  # the target is the easiest to reach
 
 
 def test_pbe_estimates_its_own_accuracy_drop(blend_model, digits):
@@ -252,9 +272,96 @@ def test_clean_label_gap_test_flags_the_label_a_model_fails_only_on_test_images(
     images = test.images.clone()
     images[zeros] = test.images[ones[torch.arange(len(zeros)) % len(ones)]]  # label-0 images showing a 1
     odd = ImageDataset(images, test.labels, test.classes)
-    found = scan(clean_model, odd, images=128, l2_rms=DIGITS_SCAN_L2_RMS, train_data=train)
+    found = scan(clean_model, odd, images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS, train_data=train)
     assert found.suspected and found.label == 0 and found.gap[0] == max(found.gap) and found.gap_score > 3
-    honest = scan(clean_model, test, images=128, l2_rms=DIGITS_SCAN_L2_RMS, train_data=train)
+    honest = scan(clean_model, test, images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS, train_data=train)
     assert not honest.suspected and honest.gap is not None
     model, attack, poisoned = blend_model
-    assert scan(model, test, images=128, l2_rms=DIGITS_SCAN_L2_RMS, train_data=poisoned).label == attack.target
+    found = scan(model, test, images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS, train_data=poisoned)
+    assert found.label == attack.target
+
+
+def test_targeted_pgd_moves_images_toward_the_target(clean_model, digits):
+    """pgd(target=k) lowers the loss of k (more images classified as k than untargeted PGD or none),
+    stays within eps and [0, 1]; one label or one per image."""
+    from pbe.metrics import predict
+    _, test = digits
+    keep = test.labels != 3
+    x, y = test.images[keep][:128].float() / 255, test.labels[keep][:128]
+    cfg = PGDConfig(eps=0.25, steps=10, step=0.05)
+    xt = pgd(clean_model, x, y, cfg, target=3)
+    xu = pgd(clean_model, x, y, cfg)
+    assert (xt - x).abs().max() <= cfg.eps + 1e-6 and 0 <= float(xt.min()) and float(xt.max()) <= 1
+    hit_t, hit_u = (predict(clean_model, xt) == 3).float().mean(), (predict(clean_model, xu) == 3).float().mean()
+    assert hit_t > 0.5 and hit_t > hit_u + 0.2
+    per_image = pgd(clean_model, x, y, cfg, target=torch.full((len(x),), 3))
+    assert torch.equal(per_image, xt)
+
+
+def test_given_target_targeted_pgd_and_balanced_selection(blend_model):
+    """A target given to PBE drives its targeted levers (the PGD share is targeted at it, round 1
+    refuses its samples) even where the scan would name another label; balanced selection keeps every
+    label's share of the next subset; a bad target is refused by name."""
+    from dataclasses import replace
+
+    import pbe.defenses.pbe as defense
+    model, attack, poisoned = blend_model
+    given = (attack.target + 1) % 10
+    seen = []
+    real_pgd = defense.pgd
+
+    def spy(m, x, y, *a, target=None, **k):
+        seen.append(target)
+        return real_pgd(m, x, y, *a, target=target, **k)
+    s = replace(DIGITS_SCHEDULE, refuse_suspected=True, pgd_targeted=True, balanced=True, early_stop=False,
+                scan_l2_rms=DIGITS_SCAN_L2_RMS, adv_share=0.5, fractions=(0.2, 0.5), epochs=(1, 1))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(defense, "pgd", spy)
+        _, report = erase(model, poisoned, s, seed=0, progress=False, target=given)
+    assert report["target"] == given and seen and set(seen) == {given}
+    assert report["scan"]["label"] == attack.target  # the scan ran and saw the real one
+    first = torch.tensor(report["rounds"][0]["subset_indices"])
+    assert (poisoned.labels[first] != given).all()
+    second = torch.tensor(report["rounds"][1]["subset_indices"])
+    counts = torch.bincount(poisoned.labels[second], minlength=10).float()
+    expected = torch.bincount(poisoned.labels, minlength=10).float() * 0.5
+    others = torch.arange(10) != given  # the given label's share is capped by what is still allowed
+    assert ((counts - expected).abs()[others] <= 1).all() and counts[given] <= expected[given] + 1
+    _, report_untargeted = erase(model, poisoned, replace(s, pgd_targeted=False, balanced=False), seed=0,
+                                 progress=False, target=given)
+    second_plain = torch.tensor(report_untargeted["rounds"][1]["subset_indices"])
+    assert len(second_plain) == round(0.5 * len(poisoned))
+    for bad in (-1, 10, 1.5):
+        with pytest.raises(PBEError, match="target"):
+            erase(model, poisoned, s, seed=0, progress=False, target=bad)
+
+
+def test_universal_reach_doubles_the_budget_until_the_target_is_reached(blend_model):
+    """universal_reach: from a budget too small to reach the target, PBE doubles it (at most
+    MAX_DOUBLINGS times) until the targeted universal perturbation sends that share of held-out images
+    there on the infected model, records each try, and trains with the last budget."""
+    from dataclasses import replace
+
+    import pbe.defenses.pbe as defense
+    from pbe.adversarial import UniversalConfig
+    model, attack, poisoned = blend_model
+    used = []
+    real_uni = defense.universal_perturbation
+
+    def spy(m, x, y, cfg, *a, **k):
+        used.append(cfg.eps)
+        return real_uni(m, x, y, cfg, *a, **k)
+    s = replace(DIGITS_SCHEDULE, universal=UniversalConfig(kind="l2", eps=0.05, epochs=2), universal_share=0.25,
+                universal_images=64, universal_target=True, universal_reach=0.9, early_stop=False, adv_share=0.5,
+                scan_l2_rms=DIGITS_SCAN_L2_RMS, fractions=(0.2,), epochs=(1,), adv_batches=(None,))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(defense, "universal_perturbation", spy)
+        _, report = erase(model, poisoned, s, seed=0, progress=False, target=attack.target)
+    tried = report["universal_calibration"]
+    assert [t["eps"] for t in tried] == [0.05 * 2 ** i for i in range(len(tried))]
+    assert 2 <= len(tried) <= defense.MAX_DOUBLINGS + 1
+    assert tried[-1]["reach"] >= 0.9 or len(tried) == defense.MAX_DOUBLINGS + 1
+    assert all(t["reach"] < 0.9 for t in tried[:-1])
+    assert used[len(tried):] and set(used[len(tried):]) == {tried[-1]["eps"]}  # training uses the last budget
+    with pytest.raises(PBEError, match="universal_reach"):
+        replace(s, universal_reach=1.5)

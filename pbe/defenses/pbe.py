@@ -23,7 +23,7 @@ from pbe.activations import PROBE_SIZE, Monitor, monitor, probe_indices
 from pbe.adversarial import (MONITOR_PGD, PAPER_EPS, PAPER_PGD, PGDConfig, UniversalConfig, apply_universal, pgd,
                              universal_perturbation)
 from pbe.data import ImageDataset
-from pbe.detection import SCAN_L2_RMS, detect
+from pbe.detection import PER_IMAGE_EPS, SCAN_L2_RMS, detect
 from pbe.defenses.base import Context, Defense, Evaluation, measure, sgd_finetune
 from pbe.metrics import predict, ranking_quality
 from pbe.utils import PBEError
@@ -44,7 +44,15 @@ class Schedule:
     samples of other labels) and `refuse_suspected` (round 1 never trains on samples of the
     suspected label; later rounds refuse those of its samples whose prediction the purification moved
     away from it: an all-to-one backdoor's poison all carries the target label, so the first round
-    cannot re-learn it). Neither does anything when no label is suspected."""
+    cannot re-learn it), `pgd_targeted` (the PGD share is targeted at the suspected label instead of
+    untargeted: per-image trigger-like changes toward it, unlearned with the samples' own labels),
+    `universal_reach` (before round 1 the targeted universal budget is doubled, at most
+    ``MAX_DOUBLINGS`` times, until it sends that share of held-out images of other labels to the
+    suspected label on the infected model: a backdoor whose trigger is not small, e.g. SIG's sinusoid,
+    still gets a universal perturbation that opens it; 0 keeps the budget).
+    None of these does anything when no label is suspected. `balanced` (every later subset takes the
+    same share of each label's samples, least suspicious first, so that selection cannot tilt the
+    classes)."""
 
     fractions: tuple[float, ...] = (0.05, 0.3)
     epochs: tuple[int, ...] = (4, 2)
@@ -65,6 +73,9 @@ class Schedule:
     universal_images: int = 512
     universal_target: bool = False
     refuse_suspected: bool = False
+    pgd_targeted: bool = False
+    universal_reach: float = 0.0
+    balanced: bool = False
     scan_l2_rms: float = SCAN_L2_RMS  # the detection scan's budget (``pbe.detection``)
 
     def __post_init__(self):
@@ -82,6 +93,8 @@ class Schedule:
         if not (0 <= self.adv_share <= 1 and 0 <= self.universal_share <= 1):
             raise PBEError(f"adv_share and universal_share must be in [0, 1], got {self.adv_share}, "
                            f"{self.universal_share}")
+        if not 0 <= self.universal_reach <= 1:
+            raise PBEError(f"universal_reach must be in [0, 1], got {self.universal_reach}")
         if self.universal is not None and self.adv_share + self.universal_share > 1:
             raise PBEError("adv_share + universal_share must be <= 1 (they are disjoint parts of a batch)")
 
@@ -121,6 +134,7 @@ class AdversarialBatches:
                  target: int | None = None):
         self.model, self.data, self.s, self.adv_batches, self.ctx = model, data, s, adv_batches, ctx
         self.target = target if s.universal_target else None
+        self.pgd_target = target if s.pgd_targeted else None
         self.done, self.delta = 0, None
 
     def new_epoch(self, epoch: int) -> None:
@@ -138,7 +152,8 @@ class AdversarialBatches:
         if self.adv_batches is None or self.done < self.adv_batches:
             n_adv = round(s.adv_share * len(x))
             if n_adv:
-                x = torch.cat([pgd(self.model, x[:n_adv], y[:n_adv], s.pgd, self.ctx.gen), x[n_adv:]])
+                x = torch.cat([pgd(self.model, x[:n_adv], y[:n_adv], s.pgd, self.ctx.gen, target=self.pgd_target),
+                               x[n_adv:]])
                 self.ctx.cost.forward_backward += n_adv * s.pgd.steps
             self.done += 1
         if self.delta is not None:  # the batch is shuffled: any slice is a random share
@@ -157,24 +172,73 @@ def adversarial_finetune(model: nn.Module, data: ImageDataset, epochs: int, adv_
                  transform=batches, on_epoch=batches.new_epoch, desc=desc)
 
 
+MAX_DOUBLINGS = 3  # universal_reach raises the budget at most 2 ** 3 = 8 times
+
+
+def calibrate_universal(model: nn.Module, data: ImageDataset, target: int, s: Schedule, ctx: Context) -> tuple[
+        UniversalConfig, list[dict]]:
+    """The schedule's universal config with its budget doubled until one perturbation targeted at
+    `target`, fitted on `universal_images` samples of other labels, sends ``s.universal_reach`` of as
+    many held-out ones there (or ``MAX_DOUBLINGS`` doublings); with the reach measured per budget."""
+    cfg, tried = s.universal, []
+    pool = (data.labels != target).nonzero().flatten()
+    pick = pool[torch.randperm(len(pool), generator=ctx.gen)[:2 * s.universal_images]]
+    fit, held = pick[:len(pick) // 2], pick[len(pick) // 2:]
+    x_held = data.images[held].float() / 255
+    for doubling in range(MAX_DOUBLINGS + 1):
+        if doubling:
+            cfg = replace(cfg, eps=cfg.eps * 2)
+        delta = universal_perturbation(model, data.images[fit], data.labels[fit], cfg, ctx.gen, ctx.device,
+                                       target=target)
+        reach = float((predict(model, apply_universal(x_held, delta, cfg, ctx.gen)) == target).float().mean())
+        ctx.cost.forward_backward += cfg.epochs * len(fit)
+        ctx.cost.forward += len(held)
+        tried.append({"eps": cfg.eps, "per_pixel": cfg.per_pixel, "reach": round(reach, 4)})
+        if reach >= s.universal_reach:
+            break
+    return cfg, tried
+
+
+def least_suspicious(score: torch.Tensor, labels: torch.Tensor, fraction: float, balanced: bool) -> torch.Tensor:
+    """Indices of the `fraction` of all samples with the lowest `score` (``inf`` = refused), sorted;
+    `balanced`: that fraction of every label's samples, so that the subset keeps the classes' shares."""
+    if not balanced:
+        k = min(int(torch.isfinite(score).sum()), max(1, round(fraction * len(score))))
+        return score.topk(k, largest=False).indices.sort().values
+    picked = []
+    for c in labels.unique():
+        idx = (labels == c).nonzero().flatten()
+        k = min(int(torch.isfinite(score[idx]).sum()), round(fraction * len(idx)))
+        picked.append(idx[score[idx].topk(k, largest=False).indices])
+    return torch.cat(picked).sort().values
+
+
 def run_monitor(model, data: ImageDataset, probe: torch.Tensor, s: Schedule, ctx: Context) -> Monitor:
     ctx.cost.forward_backward += len(probe) * s.monitor_pgd.steps
     ctx.cost.forward += 2 * len(probe)
     return monitor(model, data.images[probe], data.labels[probe], data.num_classes, s.monitor_pgd)
 
 
-def acc_drop_estimate(z0: torch.Tensor, z: torch.Tensor, labels: torch.Tensor, suspicion: torch.Tensor,
-                      allowed: torch.Tensor, trained: torch.Tensor) -> dict:
+def acc_drop_estimate(z0: torch.Tensor, z: torch.Tensor, labels: torch.Tensor, allowed: torch.Tensor,
+                      trained: torch.Tensor) -> dict:
     """PBE's own estimate of the clean-accuracy drop, without clean data: on the training samples it
-    never fine-tuned on, were not refused and are the least suspicious half (so mostly clean), the
-    share the original model got right minus the share the purified one gets right."""
-    pool = (allowed & ~trained).nonzero().flatten()
-    if len(pool) < 20:
-        return {"estimate": None, "samples": int(len(pool))}
-    trusted = pool[suspicion[pool].argsort()[:max(10, len(pool) // 2)]]
-    before = (z0[trusted].argmax(1) == labels[trusted]).float().mean()
-    after = (z[trusted].argmax(1) == labels[trusted]).float().mean()
-    return {"estimate": round(float(before - after), 5), "samples": int(len(trusted))}
+    never fine-tuned on and did not refuse, per label, the share the original model got right minus
+    the share the purified one gets right; the mean over labels of those drops, leaving out the
+    largest one (an all-to-one backdoor's poison sits in one label, where "right" means the target and
+    erasing it looks like damage). Poison spread over every label (all-to-all) still inflates it."""
+    pool = allowed & ~trained
+    drops = []
+    for c in labels.unique():
+        idx = (pool & (labels == c)).nonzero().flatten()
+        if len(idx) >= 5:
+            before = (z0[idx].argmax(1) == c).float().mean()
+            after = (z[idx].argmax(1) == c).float().mean()
+            drops.append(float(before - after))
+    if len(drops) < 3:
+        return {"estimate": None, "samples": int(pool.sum())}
+    kept = sorted(drops)[:-1]
+    return {"estimate": round(sum(kept) / len(kept), 5), "samples": int(pool.sum()),
+            "per_label": [round(d, 5) for d in drops]}
 
 
 class PBE(Defense):
@@ -185,6 +249,9 @@ class PBE(Defense):
         schedule (str | Schedule): a name in ``SCHEDULES`` (``"fast"``, default; ``"paper"``: the
             authors' 4 rounds x 10 epochs, lr 1e-3, PGD-7 at 6/255, subsets 5/20/50/70 %) or a ``Schedule``.
         lr (float | None): overrides the schedule's learning rate (default None: keep it).
+        target (int | None): a target label the defender already knows or suspects (default None: the
+            detection scan names it, or none). It drives the schedule's targeted levers in place of the
+            scan's label; the scan still runs, and early stop acts only when the scan had flagged it.
 
     The report holds, per round, the selected subset, the monitor and (with an ``Evaluation``)
     ACC / ASR / RA and the ranking quality; ``scores`` are per-sample suspicion (higher = more
@@ -199,12 +266,14 @@ class PBE(Defense):
     name = "pbe"
     setting = "no-clean"
 
-    def __init__(self, schedule: str | Schedule = "fast", lr: float | None = None):
+    def __init__(self, schedule: str | Schedule = "fast", lr: float | None = None, target: int | None = None):
         if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
             raise PBEError(f"pbe: unknown schedule {schedule!r}; available: {', '.join(SCHEDULES)}")
         if lr is not None and not (isinstance(lr, (int, float)) and lr > 0):
             raise PBEError(f"pbe: lr must be a positive number, got {lr!r}")
-        super().__init__(schedule=schedule, lr=lr)
+        if target is not None and not (isinstance(target, int) and target >= 0):
+            raise PBEError(f"pbe: target must be a label (an int >= 0) or None, got {target!r}")
+        super().__init__(schedule=schedule, lr=lr, target=target)
 
     def _defend(self, model, data, ctx: Context):
         s = get_schedule(self.params["schedule"], lr=self.params["lr"])
@@ -218,13 +287,20 @@ class PBE(Defense):
         before_mon = run_monitor(model, data, probe, s, ctx).as_dict()
         report = {"schedule": s.as_dict(), "probe_indices": probe.tolist(), "monitor_before": before_mon,
                   "rounds": []}
-        allowed, target = torch.ones(n, dtype=torch.bool), None
-        if s.refuse_suspected or s.universal_target:
+        allowed, target, flagged = torch.ones(n, dtype=torch.bool), self.params["target"], False
+        if target is not None and target >= data.num_classes:
+            raise PBEError(f"pbe: target {target} is not a label of the data ({data.num_classes} classes)")
+        if s.refuse_suspected or s.universal_target or s.pgd_targeted:
             scan = detect(original, data, l2_rms=s.scan_l2_rms, seed=ctx.seed)
             ctx.cost.forward_backward += scan.forward_backward
             ctx.cost.forward += scan.forward
             report["scan"] = scan.as_dict()
-            target = scan.label
+            target = scan.label if target is None else target
+            flagged = scan.suspected and scan.label == target  # evidence that early stop can watch
+        report["target"] = target
+        if s.universal_reach > 0 and s.universal is not None and s.universal_target and target is not None:
+            cfg, report["universal_calibration"] = calibrate_universal(original, data, target, s, ctx)
+            s = replace(s, universal=cfg)
         if s.refuse_suspected and target is not None:
             allowed = data.labels != target
         pool = allowed.nonzero().flatten()
@@ -247,13 +323,16 @@ class PBE(Defense):
             # stop early only on evidence: the scan (or, without one, the monitor) flagged a backdoor
             # before and no longer does
             if s.early_stop and t + 1 < len(s.fractions):
-                if target is not None:
-                    rescan = detect(model, data, l2_rms=s.scan_l2_rms, seed=ctx.seed)
+                if flagged:  # re-measure only the statistic that flagged it (the per-image probe costs most)
+                    rescan = detect(model, data, l2_rms=s.scan_l2_rms, seed=ctx.seed,
+                                    pgd_eps=PER_IMAGE_EPS if scan.evidence == "per_image" else 0.0)
                     ctx.cost.forward_backward += rescan.forward_backward
                     ctx.cost.forward += rescan.forward
                     row["scan"] = rescan.as_dict()
                     row["epoch_equivalents"] = ctx.cost.epoch_equivalents(n)
-                    gone = not rescan.suspected
+                    gone = rescan.label != target
+                elif target is not None:  # a given target the scan never saw: no evidence to stop on
+                    gone = False
                 else:
                     gone = before_mon["suspected"] and not mon.suspected
                 if gone:
@@ -262,18 +341,18 @@ class PBE(Defense):
             if t + 1 < len(s.fractions):
                 if s.refuse_suspected and target is not None:  # stays out unless the model still says so
                     allowed = (data.labels != target) | (z.argmax(1) == target)
-                score = suspicion.masked_fill(~allowed, float("inf"))
-                k = min(int(allowed.sum()), max(1, round(s.fractions[t + 1] * n)))
-                subset = (-score).topk(k).indices.sort().values
+                subset = least_suspicious(suspicion.masked_fill(~allowed, float("inf")), data.labels,
+                                          s.fractions[t + 1], s.balanced)
         report.update(scores=[round(float(v), 6) for v in suspicion], stopped_early=stopped,
                       monitor_after=report["rounds"][-1]["monitor"],
-                      acc_drop_estimate=acc_drop_estimate(z0, z, data.labels, suspicion, allowed, trained))
+                      acc_drop_estimate=acc_drop_estimate(z0, z, data.labels, allowed, trained))
         return model, report, None
 
 
 def erase(model: nn.Module, train_set: ImageDataset, schedule: str | Schedule = "fast", *, seed: int = 0,
-          device="auto", progress: bool = True, evaluation: Evaluation | None = None) -> tuple[nn.Module, dict]:
+          device="auto", progress: bool = True, evaluation: Evaluation | None = None,
+          target: int | None = None) -> tuple[nn.Module, dict]:
     """PBE without clean data: ``(purified copy of model, report)``; see ``PBE``."""
-    result = PBE(schedule=schedule)(model, train_set, seed=seed, device=device, progress=progress,
-                                    evaluation=evaluation)
+    result = PBE(schedule=schedule, target=target)(model, train_set, seed=seed, device=device, progress=progress,
+                                                   evaluation=evaluation)
     return result.model, result.report
