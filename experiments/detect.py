@@ -43,28 +43,37 @@ def verdict_ok(r: dict) -> bool:
     return r["suspected"] and r["label"] == r["target"]
 
 
+def _method(row: dict) -> str:
+    """The detection method's number (``pbe.detection.METHOD``; rows before it was recorded: 1)."""
+    return row.get("method", "1").split(":")[0]
+
+
 class DetectTable(ResultsTable):
     def markdown(self) -> str:
         lines = [f"# {self.title}", "", f"Regenerate: `{self.regenerate}`. Score: robust z of the most reachable "
                  f"label (pbe.detection); suspected when p < {ALPHA}. Margin: score minus the score at p = {ALPHA} "
-                 "(Bonferroni over the statistics tried). "
+                 "(Bonferroni over the statistics tried). Methods: 1 universal L2 (+ gap); " + METHOD + ". "
                  "ok: infected flagged with its target, clean not flagged.", "",
-                 "| zoo | set | data | attack | target | suspected | label | evidence | score | p-value | margin | ok | "
-                 "epoch-eq. | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "| zoo | set | data | method | attack | target | suspected | label | evidence | score | p-value | margin | "
+                 "ok | epoch-eq. | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in self.rows:
             target = "all-to-all" if r["all_to_all"] else ("–" if r["target"] is None else r["target"])
             label = r["label"] if r["label"] is not None else ("map" if r.get("label_map") else "–")
-            lines.append(f"| {r['zoo']} | {r['zoo_set']} | {r['setting']} | {r['attack']} | {target} | "
+            lines.append(f"| {r['zoo']} | {r['zoo_set']} | {r['setting']} | {_method(r)} | {r['attack']} | {target} | "
                          f"{'yes' if r['suspected'] else 'no'} | {label} | {r.get('evidence', 'universal')} | "
                          f"{r['score']:.2f} | {r['p_value']:.2g} | "
                          f"{r['margin']:+.2f} | {'yes' if verdict_ok(r) else '**no**'} | "
                          f"{r['epoch_equivalents']:.2f} | {r['wall_s']:.0f} |")
-        for zoo_set, split in sorted({(r["zoo_set"], r["setting"]) for r in self.rows}):
-            rows = [r for r in self.rows if r["zoo_set"] == zoo_set and r["setting"] == split]
+        def group(r):  # rows compare only within one dataset, set, data and detection method
+            return r["dataset"], r["zoo_set"], r["setting"], _method(r)
+        for key in sorted({group(r) for r in self.rows}):
+            dataset, zoo_set, split, method = key
+            rows = [r for r in self.rows if group(r) == key]
             infected = torch.tensor([r["attack"] != "none" for r in rows])
             scores = torch.tensor([r["score"] for r in rows])
             auc = roc_auc_score(infected.numpy(), scores.numpy()) if 0 < int(infected.sum()) < len(rows) else None
-            lines += ["", f"{zoo_set}, {split} data: {sum(verdict_ok(r) for r in rows)} of {len(rows)} verdicts right; ROC-AUC "
+            lines += ["", f"{dataset} {zoo_set}, {split} data, method {method}: {sum(verdict_ok(r) for r in rows)} of "
+                      f"{len(rows)} verdicts right; ROC-AUC "
                       f"of the score, infected vs clean: {'–' if auc is None else f'{auc:.3f}'}; mean cost "
                       f"{sum(r['epoch_equivalents'] for r in rows) / len(rows):.2f} epoch-equivalents."]
         lines += ["", "Hardware, command, seed, rates per label and label maps are in the JSON."]

@@ -29,6 +29,8 @@ UNI_L2_T = UniversalConfig(kind="l2", eps=1.0)  # the detection scan's budget
 T_COS = replace(FAST, adv_share=0.0, universal=UNI_L2_T, universal_share=1 / 3, lr=1e-3, lr_schedule="cosine",
                 adv_batches=(None, None), early_stop=True, universal_target=True, refuse_suspected=True)
 PGD_T = PGDConfig(eps=2 / 255, steps=5, step=0.5 / 255)  # targeted per-image: where WaNet's target stands out
+T2 = replace(T_COS, balanced=True, universal_reach=0.8)
+T2_PGDT = replace(T2, adv_share=1 / 3, pgd=PGD_T, pgd_targeted=True)
 ORACLE = "oracle"  # variants whose name ends so are given the true target (what the erasure could do if
 #                    detection named it); they measure the erasure alone and are never a default
 
@@ -76,9 +78,10 @@ VARIANTS = {
     "t_cos_bal": ("uni_t_refuse_stop_cos + class-balanced selection in later rounds", replace(T_COS, balanced=True)),
     "t2": ("uni_t_refuse_stop_cos + class-balanced selection + the universal budget doubled until it reaches 80 % "
            "of held-out images (detection 3: + per-image probe, noise-floored MAD)",
-           replace(T_COS, balanced=True, universal_reach=0.8)),
+           T2),
     "t2_pgdt": ("t2 + PGD targeted at the suspected label (L-inf 2/255, 5 steps) on another third of every batch",
-                replace(T_COS, balanced=True, universal_reach=0.8, adv_share=1 / 3, pgd=PGD_T, pgd_targeted=True)),
+                T2_PGDT),
+    "t2_pgdt_oracle": ("t2_pgdt given the true target (oracle: the erasure alone)", T2_PGDT),
     "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
 }
 
