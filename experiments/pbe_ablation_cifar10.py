@@ -31,6 +31,7 @@ T_COS = replace(FAST, adv_share=0.0, universal=UNI_L2_T, universal_share=1 / 3, 
 PGD_T = PGDConfig(eps=2 / 255, steps=5, step=0.5 / 255)  # targeted per-image: where WaNet's target stands out
 T2 = replace(T_COS, balanced=True, universal_reach=0.8)
 T2_PGDT = replace(T2, adv_share=1 / 3, pgd=PGD_T, pgd_targeted=True)
+T3 = replace(T2, early_stop=False)
 ORACLE = "oracle"  # variants whose name ends so are given the true target (what the erasure could do if
 #                    detection named it); they measure the erasure alone and are never a default
 
@@ -81,6 +82,7 @@ VARIANTS = {
            T2),
     "t2_pgdt": ("t2 + PGD targeted at the suspected label (L-inf 2/255, 5 steps) on another third of every batch",
                 T2_PGDT),
+    "t3": ("t2 without early stop (on Input-aware the re-scan stopped t2 after round 1 at ASR 6.5 %)", T3),
     "t2_pgdt_oracle": ("t2_pgdt given the true target (oracle: the erasure alone)", T2_PGDT),
     "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
 }
