@@ -32,6 +32,7 @@ PGD_T = PGDConfig(eps=2 / 255, steps=5, step=0.5 / 255)  # targeted per-image: w
 T2 = replace(T_COS, balanced=True, universal_reach=0.8)
 T2_PGDT = replace(T2, adv_share=1 / 3, pgd=PGD_T, pgd_targeted=True)
 T3 = replace(T2, early_stop=False)
+UNI_WARP = UniversalConfig(kind="warp", eps=0.5, size=4)  # a WaNet-shaped field: 4x4 control grid, 0.5 px
 ORACLE = "oracle"  # variants whose name ends so are given the true target (what the erasure could do if
 #                    detection named it); they measure the erasure alone and are never a default
 
@@ -83,6 +84,10 @@ VARIANTS = {
     "t2_pgdt": ("t2 + PGD targeted at the suspected label (L-inf 2/255, 5 steps) on another third of every batch",
                 T2_PGDT),
     "t3": ("t2 without early stop (on Input-aware the re-scan stopped t2 after round 1 at ASR 6.5 %)", T3),
+    "t3_warp_oracle": ("t3 with a universal warp (4x4 control grid, 0.5 px, doubled until it reaches 80 %) in "
+                       "place of the L2 one, given the true target (oracle)", replace(T3, universal=UNI_WARP)),
+    "t4": ("t3 + the suspected label's samples the purification moved to another label (softmax >= 0.8) join "
+           "round 2 relabelled with that label", replace(T3, relabel_suspected=True)),
     "t2_pgdt_oracle": ("t2_pgdt given the true target (oracle: the erasure alone)", T2_PGDT),
     "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
 }
@@ -143,7 +148,8 @@ def main() -> None:
                        "zoo_sha256": z.row["sha256"], "variant": variant, "what": what,
                        "schedule_fields": report["schedule"], "stopped_early": report["stopped_early"],
                        "per_round": [{k: rd.get(k) for k in ("round", "subset_size", "metrics", "detection",
-                                                              "epoch_equivalents")} for rd in report["rounds"]],
+                                                              "epoch_equivalents", "relabelled", "relabelled_poison")}
+                                     for rd in report["rounds"]],
                        "scan": report.get("scan"), "acc_drop_estimate": report.get("acc_drop_estimate"),
                        "target_given": oracle, "target_used": report.get("target")})
             print(f"{entry.name} {variant}: acc {b['acc']:.4f}->{a['acc']:.4f} asr {b['asr']:.4f}->{a['asr']:.4f} "

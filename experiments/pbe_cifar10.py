@@ -4,7 +4,7 @@ committed zoo model are skipped; a zoo model not built yet is reported and skipp
 
     python experiments/pbe_cifar10.py [--set dev] [--schedules fast paper] [--only badnets blend]
 
-Rows carry "schedule" (the registered name; `fast` is pbe.erase's default) and the zoo keys.
+Rows carry "schedule" (the registered name; ``DEFAULT_SCHEDULE`` is pbe.erase's default) and the zoo keys.
 """
 from __future__ import annotations
 
@@ -13,13 +13,15 @@ import json
 
 from common import HERE, ROOT, RUNS, data_args, defence_row, run_cell, same_zoo_model, zoo_cell, zoo_models, zoo_source
 
+from pbe.defenses.pbe import DEFAULT_SCHEDULE
 from pbe.results import ResultsTable
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", default="dev", choices=("dev", "generalisation"), dest="zoo_set")
-    ap.add_argument("--schedules", nargs="*", default=["fast"], help="PBE schedules (fast, paper)")
+    ap.add_argument("--schedules", nargs="*", default=[DEFAULT_SCHEDULE],
+                    help=f"PBE schedules (default {DEFAULT_SCHEDULE}; paper: the authors')")
     ap.add_argument("--no-aft", action="store_true", help="only PBE rows")
     ap.add_argument("--only", nargs="*", help="zoo names or attacks to run")
     ap.add_argument("--seed", type=int, default=0, help="seed of the defence")

@@ -193,10 +193,29 @@ def patch_attack(model: nn.Module, x: torch.Tensor, y: torch.Tensor, size: int =
         return _paste(x, patch, origins).detach()
 
 
+UNIVERSAL_KINDS = ("linf", "l2", "patch", "warp")
+
+
+def _warp(x: torch.Tensor, flow: torch.Tensor, max_shift: float) -> torch.Tensor:
+    """`x` resampled along `flow` ((size, size, 2) control grid of (dx, dy) in pixels), upsampled
+    bicubically to the image and clamped to `max_shift` pixels; differentiable in `flow`."""
+    n, _, h, w = x.shape
+    field = F.interpolate(flow.permute(2, 0, 1)[None], size=(h, w), mode="bicubic", align_corners=True)
+    field = field.clamp(-max_shift, max_shift).permute(0, 2, 3, 1)  # (1, h, w, 2) in pixels
+    ys, xs = torch.meshgrid(torch.linspace(-1, 1, h, device=x.device), torch.linspace(-1, 1, w, device=x.device),
+                            indexing="ij")
+    scale = torch.tensor([2 / max(w - 1, 1), 2 / max(h - 1, 1)], device=x.device)
+    grid = (torch.stack([xs, ys], -1)[None] + field * scale).clamp(-1, 1)
+    return F.grid_sample(x, grid.expand(n, -1, -1, -1), mode="bilinear", padding_mode="border", align_corners=True)
+
+
 @dataclass(frozen=True)
 class UniversalConfig:
-    """One perturbation for many images: `kind` "linf" / "l2" (budget `eps`) or "patch" (a `size` x
-    `size` patch pasted at a random place in every image); `epochs` passes over the images."""
+    """One perturbation for many images: `kind` "linf" / "l2" (budget `eps`), "patch" (a `size` x
+    `size` patch pasted at a random place in every image) or "warp" (a smooth displacement field: a
+    `size` x `size` control grid of (dx, dy) upsampled bicubically to the image, every displacement at
+    most `eps` pixels, applied with bilinear resampling: the shape of WaNet's trigger, Nguyen & Tran,
+    ICLR 2021); `epochs` passes over the images."""
 
     kind: str = "linf"
     eps: float = 8 / 255
@@ -207,8 +226,8 @@ class UniversalConfig:
     per_pixel: bool = False  # "l2": `eps` is the root-mean-square change per pixel (any image size)
 
     def __post_init__(self):
-        if self.kind not in ("linf", "l2", "patch"):
-            raise PBEError(f"universal kind must be 'linf', 'l2' or 'patch', got {self.kind!r}")
+        if self.kind not in UNIVERSAL_KINDS:
+            raise PBEError(f"universal kind must be one of {', '.join(UNIVERSAL_KINDS)}, got {self.kind!r}")
         if self.epochs < 1 or self.batch_size < 1 or self.eps <= 0 or self.size < 1:
             raise PBEError("universal perturbation needs epochs >= 1, batch_size >= 1, eps > 0, size >= 1")
 
@@ -219,7 +238,8 @@ def universal_perturbation(model: nn.Module, images: torch.Tensor, labels: torch
     """One untargeted perturbation (C, H, W) that raises the loss of every image's true label
     (Moosavi-Dezfooli et al. 2017, optimised by mini-batch signed / normalised gradient ascent), or
     with `target`, one that lowers every image's loss for that label (a trigger-like direction).
-    For "linf" / "l2" it is added to an image; for "patch" it is pasted with ``apply_universal``."""
+    For "linf" / "l2" it is added to an image, for "patch" pasted, for "warp" (a control grid of
+    displacements) resampled along: ``apply_universal`` does each."""
     cfg = cfg or UniversalConfig()
     dev = device or next(model.parameters()).device
     c, h, w = images.shape[1:]
@@ -228,6 +248,9 @@ def universal_perturbation(model: nn.Module, images: torch.Tensor, labels: torch
     if cfg.kind == "patch":
         delta = torch.rand(c, cfg.size, cfg.size, generator=generator).to(dev)
         step = 0.05 if cfg.step is None else cfg.step
+    elif cfg.kind == "warp":  # a small random start: the resampling's gradient at zero shift is one-sided
+        delta = ((torch.rand(cfg.size, cfg.size, 2, generator=generator) * 2 - 1) * cfg.eps / 10).to(dev)
+        step = cfg.eps / 4 if cfg.step is None else cfg.step
     else:
         delta = torch.zeros(c, h, w, device=dev)
         step = cfg.eps / 4 if cfg.step is None else cfg.step
@@ -248,6 +271,8 @@ def universal_perturbation(model: nn.Module, images: torch.Tensor, labels: torch
                 with torch.no_grad():
                     if cfg.kind == "patch":
                         delta = (delta + step * grad.sign()).clamp(0, 1)
+                    elif cfg.kind == "warp":
+                        delta = (delta + step * grad.sign()).clamp(-cfg.eps, cfg.eps)
                     elif cfg.kind == "linf":
                         delta = (delta + step * grad.sign()).clamp(-cfg.eps, cfg.eps)
                     else:
@@ -260,6 +285,8 @@ def apply_universal(x: torch.Tensor, delta: torch.Tensor, cfg: UniversalConfig,
                     generator: torch.Generator | None = None) -> torch.Tensor:
     """`x` (float in [0, 1]) with a universal perturbation: added and clipped, or pasted as a patch."""
     delta = delta.to(x.device)
+    if cfg.kind == "warp":
+        return _warp(x, delta, cfg.eps)
     if cfg.kind == "patch":
         return _paste(x, delta, _patch_origins(len(x), delta.shape[-1], *x.shape[-2:], generator))
     return (x + delta).clamp(0, 1)

@@ -365,3 +365,56 @@ def test_universal_reach_doubles_the_budget_until_the_target_is_reached(blend_mo
     assert used[len(tried):] and set(used[len(tried):]) == {tried[-1]["eps"]}  # training uses the last budget
     with pytest.raises(PBEError, match="universal_reach"):
         replace(s, universal_reach=1.5)
+
+
+def test_universal_warp_is_a_bounded_smooth_resampling_toward_the_target(blend_model, digits):
+    """kind="warp": a zero field leaves images unchanged; the optimised field stays within eps pixels,
+    moves every pixel by a smooth (upsampled) displacement, and targeted at the Blend target sends
+    more held-out images there than a random field of the same budget."""
+    from pbe.adversarial import UniversalConfig, apply_universal, universal_perturbation
+    from pbe.metrics import predict
+    model, attack, _ = blend_model
+    _, test = digits
+    x = test.images.float() / 255
+    cfg = UniversalConfig(kind="warp", eps=1.5, size=3, epochs=3)
+    assert torch.allclose(apply_universal(x[:8], torch.zeros(3, 3, 2), cfg), x[:8], atol=1e-6)
+    other = test.labels != attack.target
+    fit, held = other.nonzero().flatten()[:150], other.nonzero().flatten()[150:]
+    flow = universal_perturbation(model, test.images[fit], test.labels[fit], cfg,
+                                  torch.Generator().manual_seed(0), target=attack.target)
+    assert flow.shape == (3, 3, 2) and flow.abs().max() <= cfg.eps + 1e-6
+    hit = (predict(model, apply_universal(x[held], flow, cfg)) == attack.target).float().mean()
+    random = (torch.rand(3, 3, 2, generator=torch.Generator().manual_seed(1)) * 2 - 1) * cfg.eps
+    base = (predict(model, apply_universal(x[held], random, cfg)) == attack.target).float().mean()
+    assert hit > base
+    with pytest.raises(PBEError, match="universal kind"):
+        UniversalConfig(kind="twist")
+
+
+def test_relabel_suspected_trains_moved_samples_with_their_new_label(blend_model):
+    """relabel_suspected: after round 1, samples of the suspected label that the purified model now
+    assigns elsewhere (confidently) join round 2 with that label; the count is reported."""
+    from dataclasses import replace
+
+    import pbe.defenses.pbe as defense
+    model, attack, poisoned = blend_model
+    seen = []
+    real = defense.adversarial_finetune
+
+    def spy(m, data, *a, **k):
+        seen.append(data)
+        return real(m, data, *a, **k)
+    s = replace(DIGITS_SCHEDULE, refuse_suspected=True, relabel_suspected=True, early_stop=False,
+                scan_l2_rms=DIGITS_SCAN_L2_RMS, fractions=(0.3, 0.5), epochs=(3, 1))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(defense, "adversarial_finetune", spy)
+        _, report = erase(model, poisoned, s, seed=0, progress=False, target=attack.target,
+                          evaluation=Evaluation(poison_indices=poisoned.poison_indices))
+    moved = report["rounds"][0]["relabelled"]
+    assert moved > 0 and report["rounds"][0]["relabelled_poison"] <= moved
+    second = seen[1]
+    assert int((second.labels == attack.target).sum()) < int((poisoned.labels == attack.target).sum())
+    assert len(second) >= round(0.5 * len(poisoned)) - 10  # the balanced share plus the relabelled ones
+    _, plain = erase(model, poisoned, replace(s, relabel_suspected=False), seed=0, progress=False,
+                     target=attack.target)
+    assert "relabelled" not in plain["rounds"][0]

@@ -125,8 +125,11 @@ def cmd_erase(args) -> dict:
     from pbe.defenses import SCHEDULES, get_schedule
     if args.setting == "no-clean":
         sched = get_schedule(args.schedule)
-        defense = defenses.create("pbe", schedule=get_schedule(sched, pgd=_pgd_config(args, sched.pgd), lr=args.lr))
+        defense = defenses.create("pbe", schedule=get_schedule(sched, pgd=_pgd_config(args, sched.pgd), lr=args.lr),
+                                  target=args.target)
     else:
+        if args.target is not None:
+            raise PBEError("--target drives PBE's targeted levers (--setting no-clean); AFT does not take it")
         defense = defenses.create("aft", pgd=_pgd_config(args, SCHEDULES["paper"].pgd),
                                   **({"lr": args.lr} if args.lr is not None else {}))
     return run_defense(args, defense)
@@ -227,11 +230,15 @@ def _defense_parameters() -> str:
 def register(sub) -> None:
     from pbe import defenses
     from pbe.defenses import SCHEDULES
+    from pbe.defenses.pbe import DEFAULT_SCHEDULE
     p = sub.add_parser("erase", help="purify a model: PBE without clean data, or AFT with a clean extra set")
     add_common(p)
     _defense_data_args(p)
     p.add_argument("--setting", choices=["no-clean", "clean-extra"], default="no-clean")
-    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="fast")
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), default=DEFAULT_SCHEDULE,
+                   help=f"PBE schedule (default {DEFAULT_SCHEDULE})")
+    p.add_argument("--target", type=int, help="a target label you already know or suspect (default: PBE's "
+                   "detection scan names it, or none)")
     p.add_argument("--lr", type=float, help="fine-tuning learning rate (default: the schedule's)")
     _pgd_args(p)
     p.set_defaults(func=cmd_erase)
