@@ -223,7 +223,8 @@ class UniversalConfig:
     epochs: int = 5
     step: float | None = None  # default eps / 4 (linf, l2) or 0.05 (patch)
     batch_size: int = 128
-    per_pixel: bool = False  # "l2": `eps` is the root-mean-square change per pixel (any image size)
+    per_pixel: bool = False  # budget relative to the image: "l2": `eps` is the root-mean-square change per
+    #                          pixel; "warp": the largest displacement as a share of the image side
 
     def __post_init__(self):
         if self.kind not in UNIVERSAL_KINDS:
@@ -245,6 +246,8 @@ def universal_perturbation(model: nn.Module, images: torch.Tensor, labels: torch
     c, h, w = images.shape[1:]
     if cfg.per_pixel and cfg.kind == "l2":
         cfg = replace(cfg, eps=cfg.eps * math.sqrt(c * h * w), per_pixel=False)
+    if cfg.per_pixel and cfg.kind == "warp":
+        cfg = replace(cfg, eps=cfg.eps * max(h, w), per_pixel=False)
     if cfg.kind == "patch":
         delta = torch.rand(c, cfg.size, cfg.size, generator=generator).to(dev)
         step = 0.05 if cfg.step is None else cfg.step
@@ -286,7 +289,7 @@ def apply_universal(x: torch.Tensor, delta: torch.Tensor, cfg: UniversalConfig,
     """`x` (float in [0, 1]) with a universal perturbation: added and clipped, or pasted as a patch."""
     delta = delta.to(x.device)
     if cfg.kind == "warp":
-        return _warp(x, delta, cfg.eps)
+        return _warp(x, delta, cfg.eps * max(x.shape[-2:]) if cfg.per_pixel else cfg.eps)
     if cfg.kind == "patch":
         return _paste(x, delta, _patch_origins(len(x), delta.shape[-1], *x.shape[-2:], generator))
     return (x + delta).clamp(0, 1)

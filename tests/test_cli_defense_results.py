@@ -30,8 +30,14 @@ def test_cli_detect_and_erase_no_clean(attack_run, tmp_path):
     found = json.loads((tmp_path / "det" / "detect.json").read_text())
     assert found["label"] == 0 and found["p_value"] < found["alpha"] and len(found["rates"]) == 10
     r = run_cli("erase", "--model", str(attack_run), "--setting", "no-clean", "--poison-from", str(attack_run),
-                "--eps", "0.1", "--out", str(tmp_path), "--no-progress")
+                "--out", str(tmp_path / "default"), "--no-progress")  # the default schedule never wrecks accuracy
     assert r.returncode == 0, r.stderr
+    default = json.loads((tmp_path / "default" / "metrics.json").read_text())
+    assert default["after"]["acc"] > default["before"]["acc"] - 0.05, default
+    r = run_cli("erase", "--model", str(attack_run), "--setting", "no-clean", "--poison-from", str(attack_run),
+                "--schedule", "fast", "--eps", "0.1", "--out", str(tmp_path / "fast"), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    tmp_path = tmp_path / "fast"
     names = {p.name for p in tmp_path.iterdir()}
     assert {"model.safetensors", "model.json", "report.json", "rounds.png", "adversarial_labels.png"} <= names
     summary = json.loads((tmp_path / "metrics.json").read_text())

@@ -226,7 +226,7 @@ def test_universal_detection_names_the_target_and_spares_the_clean_model(blend_m
     assert found.rates[attack.target] == max(found.rates) and found.forward_backward > 0
     clean = scan(clean_model, digits[1], images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS)
     assert not clean.suspected and clean.label is None and clean.score < found.score
-    for bad in ({"images": 5}, {"alpha": 1.5}, {"l2_rms": 0}, {"epochs": 0}, {"pgd_eps": -0.1}):
+    for bad in ({"images": 5}, {"alpha": 1.5}, {"l2_rms": 0}, {"epochs": 0}, {"pgd_eps": -0.1}, {"warp_shift": -1}):
         with pytest.raises(PBEError, match="detect"):
             scan(model, digits[1], **bad)
 
@@ -238,8 +238,8 @@ def test_per_image_probe_is_a_second_statistic_with_a_bonferroni_correction(blen
     from pbe.detection import _p_value
     from pbe.detection import detect as scan
     model, attack, _ = blend_model
-    both = scan(model, digits[1], images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS, pgd_eps=0.2)
-    alone = scan(model, digits[1], images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS, pgd_eps=0.0)
+    both = scan(model, digits[1], images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS, pgd_eps=0.2, warp_shift=0)
+    alone = scan(model, digits[1], images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS, warp_shift=0)
     assert len(both.per_image_rates) == 10 and alone.per_image_rates is None
     assert set(both.scores) == {"universal", "per_image"} and set(alone.scores) == {"universal"}
     assert both.forward_backward > alone.forward_backward and both.rates == alone.rates
@@ -247,6 +247,9 @@ def test_per_image_probe_is_a_second_statistic_with_a_bonferroni_correction(blen
     assert both.score == best and both.p_value == pytest.approx(min(1.0, 2 * _p_value(best, 10)), rel=0.02)
     assert both.evidence == max(both.scores, key=both.scores.get)
     assert both.per_image_rates[attack.target] == max(both.per_image_rates)  # the target is the easiest to reach
+    warped = scan(model, digits[1], images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS, warp_shift=0.1)
+    assert set(warped.scores) == {"universal", "warp"} and len(warped.warp_rates) == 10
+    assert warped.forward_backward == 2 * alone.forward_backward
 
 
 def test_pbe_estimates_its_own_accuracy_drop(blend_model, digits):
@@ -418,3 +421,30 @@ def test_relabel_suspected_trains_moved_samples_with_their_new_label(blend_model
     _, plain = erase(model, poisoned, replace(s, relabel_suspected=False), seed=0, progress=False,
                      target=attack.target)
     assert "relabelled" not in plain["rounds"][0]
+
+
+def test_universal_families_each_get_a_part_of_the_universal_share(blend_model):
+    """A tuple of universal configs (additive L2 and warp) re-optimises one perturbation per family
+    every epoch and calibrates each family's budget on its own."""
+    from dataclasses import replace
+
+    import pbe.defenses.pbe as defense
+    from pbe.adversarial import UniversalConfig
+    model, attack, poisoned = blend_model
+    kinds = []
+    real_uni = defense.universal_perturbation
+
+    def spy(m, x, y, cfg, *a, **k):
+        kinds.append(cfg.kind)
+        return real_uni(m, x, y, cfg, *a, **k)
+    families = (UniversalConfig(kind="l2", eps=0.5, epochs=1), UniversalConfig(kind="warp", eps=0.5, size=3, epochs=1))
+    s = replace(DIGITS_SCHEDULE, universal=families, universal_share=0.5, universal_images=64, universal_target=True,
+                universal_reach=0.5, adv_share=0.0, early_stop=False, scan_l2_rms=DIGITS_SCAN_L2_RMS,
+                fractions=(0.2,), epochs=(2,), adv_batches=(None,))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(defense, "universal_perturbation", spy)
+        _, report = erase(model, poisoned, s, seed=0, progress=False, target=attack.target)
+    tried = report["universal_calibration"]
+    calibrated = len(tried)
+    assert {t["kind"] for t in tried} == {"l2", "warp"} and kinds[:calibrated] == [t["kind"] for t in tried]
+    assert kinds[calibrated:] == ["l2", "warp"] * 2  # one of each per epoch, 2 epochs

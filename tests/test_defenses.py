@@ -90,7 +90,7 @@ def test_defence_parameters_are_explicit_typed_and_listed_by_the_cli():
     help_text = sub.format_help()
     for name in defenses.available():
         assert f"  {name} " in help_text
-    assert "once_prune_ratio=0.01" in help_text and "schedule=fast" in help_text
+    assert "once_prune_ratio=0.01" in help_text and "schedule=targeted" in help_text
 
 
 @pytest.mark.parametrize("name", list(TINY))

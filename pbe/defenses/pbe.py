@@ -23,7 +23,7 @@ from pbe.activations import PROBE_SIZE, Monitor, monitor, probe_indices
 from pbe.adversarial import (MONITOR_PGD, PAPER_EPS, PAPER_PGD, PGDConfig, UniversalConfig, apply_universal, pgd,
                              universal_perturbation)
 from pbe.data import ImageDataset
-from pbe.detection import PER_IMAGE_EPS, SCAN_L2_RMS, detect
+from pbe.detection import SCAN_L2_RMS, WARP_GRID, WARP_SHIFT, detect
 from pbe.defenses.base import Context, Defense, Evaluation, measure, sgd_finetune
 from pbe.metrics import predict, ranking_quality
 from pbe.utils import PBEError
@@ -39,7 +39,8 @@ class Schedule:
     rest stays clean, which protects accuracy), and `universal` (a universal perturbation of the
     current model, re-optimised every epoch on `universal_images` samples of the subset, pasted on a
     `universal_share` of every batch with the samples' own labels: a trigger-like direction the
-    backdoor opens, unlearned without knowing the trigger), `universal_target` (that perturbation is
+    backdoor opens, unlearned without knowing the trigger; a tuple of configs is one perturbation per
+    family, e.g. additive and warp, each on an equal part of that share), `universal_target` (it is
     targeted at the label ``pbe.detection.detect`` suspects on the training set, re-optimised on
     samples of other labels) and `refuse_suspected` (round 1 never trains on samples of the
     suspected label; later rounds refuse those of its samples whose prediction the purification moved
@@ -70,7 +71,7 @@ class Schedule:
     probe_size: int = PROBE_SIZE  # images attacked for the monitor
     monitor_pgd: PGDConfig = MONITOR_PGD
     adv_share: float = 1.0
-    universal: UniversalConfig | None = None
+    universal: UniversalConfig | tuple[UniversalConfig, ...] | None = None
     universal_share: float = 0.0
     universal_images: int = 512
     universal_target: bool = False
@@ -104,6 +105,13 @@ class Schedule:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def universals(self) -> tuple[UniversalConfig, ...]:
+        """The universal families, as a tuple (empty without one)."""
+        if self.universal is None:
+            return ()
+        return self.universal if isinstance(self.universal, tuple) else (self.universal,)
+
 
 SCHEDULES = {
     # the authors' code: 4 rounds of 10 epochs, lr 1e-3, PGD-7 at 6/255, subsets 5/20/50/70%
@@ -112,18 +120,22 @@ SCHEDULES = {
     # the first default: two short rounds, fewer PGD steps, early stop (about 2-3 epoch-equivalents)
     "fast": Schedule(),
     # the scan names the suspected target; its samples stay out of round 1, and a third of every batch
-    # gets a universal perturbation targeted at it (re-optimised each epoch; the scan's budget, doubled
-    # until it reaches 80 % of held-out images) with the samples' own labels; no PGD; lr 1e-3 annealed
-    # within each round; the second round takes the least suspicious 30 % of every label, refusing the
-    # target's samples that the purified model no longer assigns to it (pbe_ablation_cifar10: "t3")
-    "targeted": Schedule(adv_share=0.0, universal=UniversalConfig(kind="l2", eps=SCAN_L2_RMS, per_pixel=True),
-                         universal_share=1 / 3, lr=1e-3, lr_schedule="cosine", adv_batches=(None, None),
+    # gets universal perturbations targeted at it, one additive and one warp (re-optimised each epoch;
+    # the scan's budgets, each doubled until it reaches 80 % of held-out images) with the samples' own
+    # labels; no PGD; lr 1e-3 annealed within each round; the second round takes the least suspicious
+    # 30 % of every label, refusing the target's samples that the purified model no longer assigns to it
+    # (pbe_ablation_cifar10: "targeted"; "t3" is it with the additive family alone)
+    "targeted": Schedule(adv_share=0.0, universal=(UniversalConfig(kind="l2", eps=SCAN_L2_RMS, per_pixel=True),
+                                                   UniversalConfig(kind="warp", eps=WARP_SHIFT, size=WARP_GRID,
+                                                                   per_pixel=True)),
+                         universal_images=256, universal_share=1 / 3, lr=1e-3, lr_schedule="cosine",
+                         adv_batches=(None, None),
                          universal_target=True, refuse_suspected=True, balanced=True, universal_reach=0.8,
                          early_stop=False),
 }
 
 
-DEFAULT_SCHEDULE = "fast"  # what pbe.erase, PBE() and `pbe erase` run unless told otherwise
+DEFAULT_SCHEDULE = "targeted"  # what pbe.erase, PBE() and `pbe erase` run unless told otherwise
 
 
 def get_schedule(schedule: str | Schedule, **overrides) -> Schedule:
@@ -144,17 +156,20 @@ class AdversarialBatches:
         self.model, self.data, self.s, self.adv_batches, self.ctx = model, data, s, adv_batches, ctx
         self.target = target if s.universal_target else None
         self.pgd_target = target if s.pgd_targeted else None
-        self.done, self.delta = 0, None
+        self.done, self.deltas = 0, []
 
     def new_epoch(self, epoch: int) -> None:
         s = self.s
-        if s.universal is None or s.universal_share == 0:
+        if s.universal_share == 0:
             return
-        pool = torch.arange(len(self.data)) if self.target is None else (self.data.labels != self.target).nonzero()[:, 0]
-        pick = pool[torch.randperm(len(pool), generator=self.ctx.gen)[:s.universal_images]]
-        self.delta = universal_perturbation(self.model, self.data.images[pick], self.data.labels[pick], s.universal,
-                                            self.ctx.gen, self.ctx.device, target=self.target)
-        self.ctx.cost.forward_backward += s.universal.epochs * len(pick)
+        labels = self.data.labels
+        pool = torch.arange(len(self.data)) if self.target is None else (labels != self.target).nonzero()[:, 0]
+        self.deltas = []
+        for cfg in s.universals:
+            pick = pool[torch.randperm(len(pool), generator=self.ctx.gen)[:s.universal_images]]
+            self.deltas.append(universal_perturbation(self.model, self.data.images[pick], labels[pick], cfg,
+                                                      self.ctx.gen, self.ctx.device, target=self.target))
+            self.ctx.cost.forward_backward += cfg.epochs * len(pick)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         s, n_adv = self.s, 0
@@ -165,9 +180,12 @@ class AdversarialBatches:
                                x[n_adv:]])
                 self.ctx.cost.forward_backward += n_adv * s.pgd.steps
             self.done += 1
-        if self.delta is not None:  # the batch is shuffled: any slice is a random share
+        if self.deltas:  # the batch is shuffled: any slice is a random share; one part per family
             end = min(len(x), n_adv + round(s.universal_share * len(x)))
-            x = torch.cat([x[:n_adv], apply_universal(x[n_adv:end], self.delta, s.universal, self.ctx.gen), x[end:]])
+            bounds = torch.linspace(n_adv, end, len(self.deltas) + 1).round().long().tolist()
+            parts = [apply_universal(x[a:b], delta, cfg, self.ctx.gen)
+                     for a, b, delta, cfg in zip(bounds, bounds[1:], self.deltas, s.universals)]
+            x = torch.cat([x[:n_adv], *parts, x[end:]])
         return x
 
 
@@ -186,27 +204,30 @@ MAX_DOUBLINGS = 3  # universal_reach raises the budget at most 2 ** 3 = 8 times
 
 
 def calibrate_universal(model: nn.Module, data: ImageDataset, target: int, s: Schedule, ctx: Context) -> tuple[
-        UniversalConfig, list[dict]]:
-    """The schedule's universal config with its budget doubled until one perturbation targeted at
-    `target`, fitted on `universal_images` samples of other labels, sends ``s.universal_reach`` of as
-    many held-out ones there (or ``MAX_DOUBLINGS`` doublings); with the reach measured per budget."""
-    cfg, tried = s.universal, []
+        tuple[UniversalConfig, ...], list[dict]]:
+    """Each of the schedule's universal configs with its budget doubled until one perturbation
+    targeted at `target`, fitted on `universal_images` samples of other labels, sends
+    ``s.universal_reach`` of as many held-out ones there (or ``MAX_DOUBLINGS`` doublings); with the
+    reach measured per family and budget."""
     pool = (data.labels != target).nonzero().flatten()
     pick = pool[torch.randperm(len(pool), generator=ctx.gen)[:2 * s.universal_images]]
     fit, held = pick[:len(pick) // 2], pick[len(pick) // 2:]
     x_held = data.images[held].float() / 255
-    for doubling in range(MAX_DOUBLINGS + 1):
-        if doubling:
-            cfg = replace(cfg, eps=cfg.eps * 2)
-        delta = universal_perturbation(model, data.images[fit], data.labels[fit], cfg, ctx.gen, ctx.device,
-                                       target=target)
-        reach = float((predict(model, apply_universal(x_held, delta, cfg, ctx.gen)) == target).float().mean())
-        ctx.cost.forward_backward += cfg.epochs * len(fit)
-        ctx.cost.forward += len(held)
-        tried.append({"eps": cfg.eps, "per_pixel": cfg.per_pixel, "reach": round(reach, 4)})
-        if reach >= s.universal_reach:
-            break
-    return cfg, tried
+    chosen, tried = [], []
+    for cfg in s.universals:
+        for doubling in range(MAX_DOUBLINGS + 1):
+            if doubling:
+                cfg = replace(cfg, eps=cfg.eps * 2)
+            delta = universal_perturbation(model, data.images[fit], data.labels[fit], cfg, ctx.gen, ctx.device,
+                                           target=target)
+            reach = float((predict(model, apply_universal(x_held, delta, cfg, ctx.gen)) == target).float().mean())
+            ctx.cost.forward_backward += cfg.epochs * len(fit)
+            ctx.cost.forward += len(held)
+            tried.append({"kind": cfg.kind, "eps": cfg.eps, "per_pixel": cfg.per_pixel, "reach": round(reach, 4)})
+            if reach >= s.universal_reach:
+                break
+        chosen.append(cfg)
+    return tuple(chosen), tried
 
 
 def least_suspicious(score: torch.Tensor, labels: torch.Tensor, fraction: float, balanced: bool) -> torch.Tensor:
@@ -310,8 +331,8 @@ class PBE(Defense):
             flagged = scan.suspected and scan.label == target  # evidence that early stop can watch
         report["target"] = target
         if s.universal_reach > 0 and s.universal is not None and s.universal_target and target is not None:
-            cfg, report["universal_calibration"] = calibrate_universal(original, data, target, s, ctx)
-            s = replace(s, universal=cfg)
+            cfgs, report["universal_calibration"] = calibrate_universal(original, data, target, s, ctx)
+            s = replace(s, universal=cfgs if isinstance(s.universal, tuple) else cfgs[0])
         if s.refuse_suspected and target is not None:
             allowed = data.labels != target
         pool = allowed.nonzero().flatten()
@@ -337,7 +358,7 @@ class PBE(Defense):
             if s.early_stop and t + 1 < len(s.fractions):
                 if flagged:  # re-measure only the statistic that flagged it (the per-image probe costs most)
                     rescan = detect(model, data, l2_rms=s.scan_l2_rms, seed=ctx.seed,
-                                    pgd_eps=PER_IMAGE_EPS if scan.evidence == "per_image" else 0.0)
+                                    warp_shift=WARP_SHIFT if scan.evidence == "warp" else 0.0)
                     ctx.cost.forward_backward += rescan.forward_backward
                     ctx.cost.forward += rescan.forward
                     row["scan"] = rescan.as_dict()
