@@ -88,9 +88,11 @@ VARIANTS = {
                        "place of the L2 one, given the true target (oracle)", replace(T3, universal=UNI_WARP)),
     "t4": ("t3 + the suspected label's samples the purification moved to another label (softmax >= 0.8) join "
            "round 2 relabelled with that label", replace(T3, relabel_suspected=True)),
-    "targeted": ("the default (SCHEDULES['targeted']): t3 with two universal families, additive L2 and warp "
-                 "(1/64 of the side), 256 images each; detection 4 (universal L2 + universal warp)",
-                 SCHEDULES["targeted"]),
+    "both_families": ("t3 with two universal families at once, additive L2 and warp (1/64 of the side), 256 "
+                      "images each; detection 4 (universal L2 + universal warp)",
+                      replace(SCHEDULES["targeted"], family_from_scan=False, universal_images=256)),
+    "targeted": ("the default (SCHEDULES['targeted']): t3, unlearning only the universal family (additive or "
+                 "warp) whose detection scan named the target", SCHEDULES["targeted"]),
     "t2_pgdt_oracle": ("t2_pgdt given the true target (oracle: the erasure alone)", T2_PGDT),
     "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
 }

@@ -448,3 +448,32 @@ def test_universal_families_each_get_a_part_of_the_universal_share(blend_model):
     calibrated = len(tried)
     assert {t["kind"] for t in tried} == {"l2", "warp"} and kinds[:calibrated] == [t["kind"] for t in tried]
     assert kinds[calibrated:] == ["l2", "warp"] * 2  # one of each per epoch, 2 epochs
+
+
+def test_family_from_scan_keeps_the_family_whose_scan_named_the_target(blend_model):
+    """family_from_scan: of the additive and warp families, only the one of the scan's evidence is
+    unlearned (every epoch's perturbations are of that kind); without the flag both are."""
+    from dataclasses import replace
+
+    import pbe.defenses.pbe as defense
+    from pbe.adversarial import UniversalConfig
+    model, attack, poisoned = blend_model
+    kinds = []
+    real_uni = defense.universal_perturbation
+
+    def spy(m, x, y, cfg, *a, **k):
+        kinds.append(cfg.kind)
+        return real_uni(m, x, y, cfg, *a, **k)
+    families = (UniversalConfig(kind="l2", eps=0.5, epochs=1), UniversalConfig(kind="warp", eps=0.5, size=3, epochs=1))
+    s = replace(DIGITS_SCHEDULE, universal=families, universal_share=0.5, universal_images=64, universal_target=True,
+                adv_share=0.0, early_stop=False, scan_l2_rms=DIGITS_SCAN_L2_RMS, family_from_scan=True,
+                fractions=(0.2,), epochs=(2,), adv_batches=(None,))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(defense, "universal_perturbation", spy)
+        _, report = erase(model, poisoned, s, seed=0, progress=False)
+        scan = report["scan"]
+        assert scan["suspected"] and scan["label"] == attack.target
+        assert set(kinds) == set(report["families"]) == set(defense.SCAN_FAMILIES[scan["evidence"]]) & {"l2", "warp"}
+        kinds.clear()
+        erase(model, poisoned, replace(s, family_from_scan=False), seed=0, progress=False)
+        assert kinds == ["l2", "warp"] * 2

@@ -55,7 +55,10 @@ class Schedule:
     same share of each label's samples, least suspicious first, so that selection cannot tilt the
     classes). `relabel_suspected` (samples of the suspected label whose prediction the purification
     moved to another label, with at least ``RELABEL_CONFIDENCE``, join the next round with that label:
-    real triggered images with their estimated true labels, so the trigger itself is unlearned)."""
+    real triggered images with their estimated true labels, so the trigger itself is unlearned),
+    `family_from_scan` (of several universal families, only the one whose detection scan named the
+    target is unlearned, with the whole universal share: "universal" -> the additive kinds, "warp" ->
+    warp; all of them when another statistic or a given target decided)."""
 
     fractions: tuple[float, ...] = (0.05, 0.3)
     epochs: tuple[int, ...] = (4, 2)
@@ -80,6 +83,7 @@ class Schedule:
     universal_reach: float = 0.0
     balanced: bool = False
     relabel_suspected: bool = False
+    family_from_scan: bool = False  # keep only the universal family whose scan named the target
     scan_l2_rms: float = SCAN_L2_RMS  # the detection scan's budget (``pbe.detection``)
 
     def __post_init__(self):
@@ -120,15 +124,16 @@ SCHEDULES = {
     # the first default: two short rounds, fewer PGD steps, early stop (about 2-3 epoch-equivalents)
     "fast": Schedule(),
     # the scan names the suspected target; its samples stay out of round 1, and a third of every batch
-    # gets universal perturbations targeted at it, one additive and one warp (re-optimised each epoch;
-    # the scan's budgets, each doubled until it reaches 80 % of held-out images) with the samples' own
-    # labels; no PGD; lr 1e-3 annealed within each round; the second round takes the least suspicious
-    # 30 % of every label, refusing the target's samples that the purified model no longer assigns to it
-    # (pbe_ablation_cifar10: "targeted"; "t3" is it with the additive family alone)
+    # gets a universal perturbation targeted at it, of the family (additive or warp) whose scan named it
+    # (re-optimised each epoch; the scan's budget, doubled until it reaches 80 % of held-out images),
+    # with the samples' own labels; no PGD; lr 1e-3 annealed within each round; the second round takes
+    # the least suspicious 30 % of every label, refusing the target's samples that the purified model no
+    # longer assigns to it (pbe_ablation_cifar10: "targeted"; its configuration is "t3" where the
+    # additive scan decides and "t3_warp_oracle" where the warp scan does)
     "targeted": Schedule(adv_share=0.0, universal=(UniversalConfig(kind="l2", eps=SCAN_L2_RMS, per_pixel=True),
                                                    UniversalConfig(kind="warp", eps=WARP_SHIFT, size=WARP_GRID,
                                                                    per_pixel=True)),
-                         universal_images=256, universal_share=1 / 3, lr=1e-3, lr_schedule="cosine",
+                         family_from_scan=True, universal_share=1 / 3, lr=1e-3, lr_schedule="cosine",
                          adv_batches=(None, None),
                          universal_target=True, refuse_suspected=True, balanced=True, universal_reach=0.8,
                          early_stop=False),
@@ -199,6 +204,7 @@ def adversarial_finetune(model: nn.Module, data: ImageDataset, epochs: int, adv_
                  transform=batches, on_epoch=batches.new_epoch, desc=desc)
 
 
+SCAN_FAMILIES = {"universal": ("l2", "linf", "patch"), "warp": ("warp",)}  # detection evidence -> universal kinds
 RELABEL_CONFIDENCE = 0.8  # softmax probability the purified model must give a moved sample's new label
 MAX_DOUBLINGS = 3  # universal_reach raises the budget at most 2 ** 3 = 8 times
 
@@ -330,6 +336,11 @@ class PBE(Defense):
             target = scan.label if target is None else target
             flagged = scan.suspected and scan.label == target  # evidence that early stop can watch
         report["target"] = target
+        if s.family_from_scan and flagged and scan.evidence in SCAN_FAMILIES:
+            kept = tuple(c for c in s.universals if c.kind in SCAN_FAMILIES[scan.evidence])
+            if kept:
+                s = replace(s, universal=kept if len(kept) > 1 else kept[0])
+                report["families"] = [c.kind for c in kept]
         if s.universal_reach > 0 and s.universal is not None and s.universal_target and target is not None:
             cfgs, report["universal_calibration"] = calibrate_universal(original, data, target, s, ctx)
             s = replace(s, universal=cfgs if isinstance(s.universal, tuple) else cfgs[0])
