@@ -339,6 +339,23 @@ def test_given_target_targeted_pgd_and_balanced_selection(blend_model):
             erase(model, poisoned, s, seed=0, progress=False, target=bad)
 
 
+def _universal_calls(blend_model, schedule, target=None):
+    """PBE with `schedule` on the digits Blend model: (report, the config of every universal
+    perturbation optimised, in order)."""
+    import pbe.defenses.pbe as defense
+    model, _, poisoned = blend_model
+    configs = []
+    real_uni = defense.universal_perturbation
+
+    def spy(m, x, y, cfg, *a, **k):
+        configs.append(cfg)
+        return real_uni(m, x, y, cfg, *a, **k)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(defense, "universal_perturbation", spy)
+        _, report = erase(model, poisoned, schedule, seed=0, progress=False, target=target)
+    return report, configs
+
+
 def test_universal_reach_doubles_the_budget_until_the_target_is_reached(blend_model):
     """universal_reach: from a budget too small to reach the target, PBE doubles it (at most
     MAX_DOUBLINGS times) until the targeted universal perturbation sends that share of held-out images
@@ -347,19 +364,11 @@ def test_universal_reach_doubles_the_budget_until_the_target_is_reached(blend_mo
 
     import pbe.defenses.pbe as defense
     from pbe.adversarial import UniversalConfig
-    model, attack, poisoned = blend_model
-    used = []
-    real_uni = defense.universal_perturbation
-
-    def spy(m, x, y, cfg, *a, **k):
-        used.append(cfg.eps)
-        return real_uni(m, x, y, cfg, *a, **k)
     s = replace(DIGITS_SCHEDULE, universal=UniversalConfig(kind="l2", eps=0.05, epochs=2), universal_share=0.25,
                 universal_images=64, universal_target=True, universal_reach=0.9, early_stop=False, adv_share=0.5,
                 scan_l2_rms=DIGITS_SCAN_L2_RMS, fractions=(0.2,), epochs=(1,), adv_batches=(None,))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(defense, "universal_perturbation", spy)
-        _, report = erase(model, poisoned, s, seed=0, progress=False, target=attack.target)
+    report, configs = _universal_calls(blend_model, s, target=blend_model[1].target)
+    used = [c.eps for c in configs]
     tried = report["universal_calibration"]
     assert [t["eps"] for t in tried] == [0.05 * 2 ** i for i in range(len(tried))]
     assert 2 <= len(tried) <= defense.MAX_DOUBLINGS + 1
@@ -423,27 +432,24 @@ def test_relabel_suspected_trains_moved_samples_with_their_new_label(blend_model
     assert "relabelled" not in plain["rounds"][0]
 
 
+def _with_families(blend_model, target=None, **changes):
+    """PBE with an additive and a warp universal family on the digits Blend model: (report, the kind of
+    every universal perturbation optimised, in order)."""
+    from dataclasses import replace
+
+    from pbe.adversarial import UniversalConfig
+    families = (UniversalConfig(kind="l2", eps=0.5, epochs=1), UniversalConfig(kind="warp", eps=0.5, size=3, epochs=1))
+    s = replace(DIGITS_SCHEDULE, universal=families, universal_share=0.5, universal_images=64, universal_target=True,
+                adv_share=0.0, early_stop=False, scan_l2_rms=DIGITS_SCAN_L2_RMS, fractions=(0.2,), epochs=(2,),
+                adv_batches=(None,), **changes)
+    report, configs = _universal_calls(blend_model, s, target)
+    return report, [c.kind for c in configs]
+
+
 def test_universal_families_each_get_a_part_of_the_universal_share(blend_model):
     """A tuple of universal configs (additive L2 and warp) re-optimises one perturbation per family
     every epoch and calibrates each family's budget on its own."""
-    from dataclasses import replace
-
-    import pbe.defenses.pbe as defense
-    from pbe.adversarial import UniversalConfig
-    model, attack, poisoned = blend_model
-    kinds = []
-    real_uni = defense.universal_perturbation
-
-    def spy(m, x, y, cfg, *a, **k):
-        kinds.append(cfg.kind)
-        return real_uni(m, x, y, cfg, *a, **k)
-    families = (UniversalConfig(kind="l2", eps=0.5, epochs=1), UniversalConfig(kind="warp", eps=0.5, size=3, epochs=1))
-    s = replace(DIGITS_SCHEDULE, universal=families, universal_share=0.5, universal_images=64, universal_target=True,
-                universal_reach=0.5, adv_share=0.0, early_stop=False, scan_l2_rms=DIGITS_SCAN_L2_RMS,
-                fractions=(0.2,), epochs=(2,), adv_batches=(None,))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(defense, "universal_perturbation", spy)
-        _, report = erase(model, poisoned, s, seed=0, progress=False, target=attack.target)
+    report, kinds = _with_families(blend_model, target=blend_model[1].target, universal_reach=0.5)
     tried = report["universal_calibration"]
     calibrated = len(tried)
     assert {t["kind"] for t in tried} == {"l2", "warp"} and kinds[:calibrated] == [t["kind"] for t in tried]
@@ -453,27 +459,10 @@ def test_universal_families_each_get_a_part_of_the_universal_share(blend_model):
 def test_family_from_scan_keeps_the_family_whose_scan_named_the_target(blend_model):
     """family_from_scan: of the additive and warp families, only the one of the scan's evidence is
     unlearned (every epoch's perturbations are of that kind); without the flag both are."""
-    from dataclasses import replace
-
-    import pbe.defenses.pbe as defense
-    from pbe.adversarial import UniversalConfig
-    model, attack, poisoned = blend_model
-    kinds = []
-    real_uni = defense.universal_perturbation
-
-    def spy(m, x, y, cfg, *a, **k):
-        kinds.append(cfg.kind)
-        return real_uni(m, x, y, cfg, *a, **k)
-    families = (UniversalConfig(kind="l2", eps=0.5, epochs=1), UniversalConfig(kind="warp", eps=0.5, size=3, epochs=1))
-    s = replace(DIGITS_SCHEDULE, universal=families, universal_share=0.5, universal_images=64, universal_target=True,
-                adv_share=0.0, early_stop=False, scan_l2_rms=DIGITS_SCAN_L2_RMS, family_from_scan=True,
-                fractions=(0.2,), epochs=(2,), adv_batches=(None,))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(defense, "universal_perturbation", spy)
-        _, report = erase(model, poisoned, s, seed=0, progress=False)
-        scan = report["scan"]
-        assert scan["suspected"] and scan["label"] == attack.target
-        assert set(kinds) == set(report["families"]) == set(defense.SCAN_FAMILIES[scan["evidence"]]) & {"l2", "warp"}
-        kinds.clear()
-        erase(model, poisoned, replace(s, family_from_scan=False), seed=0, progress=False)
-        assert kinds == ["l2", "warp"] * 2
+    from pbe.defenses.pbe import SCAN_FAMILIES
+    report, kinds = _with_families(blend_model, family_from_scan=True)
+    scan = report["scan"]
+    assert scan["suspected"] and scan["label"] == blend_model[1].target
+    assert set(kinds) == set(report["families"]) == set(SCAN_FAMILIES[scan["evidence"]]) & {"l2", "warp"}
+    _, kinds = _with_families(blend_model, family_from_scan=False)
+    assert kinds == ["l2", "warp"] * 2
