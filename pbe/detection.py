@@ -183,24 +183,26 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
     warp = UniversalConfig(kind="warp", eps=warp_shift, size=WARP_GRID, epochs=epochs, per_pixel=True) \
         if warp_shift > 0 else None
     rates, warp_rates, per_image, matrix, fb, fw = [], [], [], torch.zeros(k, k), 0, 0
-    for label in range(k):
+
+    def reached(family: UniversalConfig, label: int) -> torch.Tensor:
+        """Held-out images of other labels that one perturbation of `family`, targeted at `label` and
+        fitted on the other half, sends there."""
+        nonlocal fb, fw
         src = yo != label
-        delta = universal_perturbation(model, xo[src], yo[src], cfg, gen, target=label)
+        delta = universal_perturbation(model, xo[src], yo[src], family, gen, target=label)
         fb += epochs * int(src.sum())
-        pred = predict(model, apply_universal(xh_float, delta, cfg, gen))
         fw += len(xh)
+        return (predict(model, apply_universal(xh_float, delta, family, gen)) == label) & (yh != label)
+
+    for label in range(k):
         others = yh != label
-        hit = (pred == label) & others
+        hit = reached(cfg, label)
         rates.append(float(hit.sum() / others.sum().clamp_min(1)))
         for c in range(k):
             if c != label and (yh == c).any():
                 matrix[c, label] = hit[yh == c].float().mean()
         if warp is not None:
-            flow = universal_perturbation(model, xo[src], yo[src], warp, gen, target=label)
-            fb += epochs * int(src.sum())
-            fw += len(xh)
-            moved = predict(model, apply_universal(xh_float, flow, warp, gen))
-            warp_rates.append(float(((moved == label) & others).sum() / others.sum().clamp_min(1)))
+            warp_rates.append(float(reached(warp, label).sum() / others.sum().clamp_min(1)))
         mine = others.clone()
         mine[n_probe:] = False
         if pgd_eps > 0 and mine.any():
