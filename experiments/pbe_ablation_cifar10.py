@@ -93,6 +93,9 @@ VARIANTS = {
                       replace(SCHEDULES["targeted"], family_from_scan=False, universal_images=256)),
     "targeted": ("the default (SCHEDULES['targeted']): t3, unlearning only the universal family (additive or "
                  "warp) whose detection scan named the target", SCHEDULES["targeted"]),
+    "top": ("targeted + the targeted levers act on the scan's top label even when its p-value is not "
+            "significant (the family: the scan's most significant statistic)",
+            replace(SCHEDULES["targeted"], target_top_label=True)),
     "t2_pgdt_oracle": ("t2_pgdt given the true target (oracle: the erasure alone)", T2_PGDT),
     "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
 }

@@ -466,3 +466,18 @@ def test_family_from_scan_keeps_the_family_whose_scan_named_the_target(blend_mod
     assert set(kinds) == set(report["families"]) == set(SCAN_FAMILIES[scan["evidence"]]) & {"l2", "warp"}
     _, kinds = _with_families(blend_model, family_from_scan=False)
     assert kinds == ["l2", "warp"] * 2
+
+
+def test_target_top_label_acts_on_an_unflagged_scan(clean_model, digits):
+    """target_top_label: on a clean model the scan flags nothing, so the targeted levers normally stay
+    idle (no target, both families); with the flag they act on the scan's top label and its family."""
+    from pbe.defenses.pbe import SCAN_FAMILIES
+    report, kinds = _with_families((clean_model, None, digits[0]), family_from_scan=True, refuse_suspected=True)
+    assert not report["scan"]["suspected"] and report["target"] is None and kinds == ["l2", "warp"] * 2
+    report, kinds = _with_families((clean_model, None, digits[0]), family_from_scan=True, refuse_suspected=True,
+                                   target_top_label=True)
+    scan = report["scan"]
+    assert not scan["suspected"] and report["target"] == scan["top_label"]
+    assert set(kinds) == set(report["families"]) == set(SCAN_FAMILIES[scan["evidence"]]) & {"l2", "warp"}
+    assert report["rounds"][0]["subset_indices"] and all(
+        int(digits[0].labels[i]) != scan["top_label"] for i in report["rounds"][0]["subset_indices"])

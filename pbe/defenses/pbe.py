@@ -58,7 +58,11 @@ class Schedule:
     real triggered images with their estimated true labels, so the trigger itself is unlearned),
     `family_from_scan` (of several universal families, only the one whose detection scan named the
     target is unlearned, with the whole universal share: "universal" -> the additive kinds, "warp" ->
-    warp; all of them when another statistic or a given target decided)."""
+    warp; all of them when another statistic or a given target decided). `target_top_label` (the
+    targeted levers act on the scan's top label even when its p-value misses the detection threshold,
+    and the family is that of the scan's most significant statistic: the defender runs PBE because a
+    backdoor is suspected, and a weak scan, e.g. on the overfitted training images, still ranks the
+    target first; the report keeps the p-value, and early stop still needs a significant scan)."""
 
     fractions: tuple[float, ...] = (0.05, 0.3)
     epochs: tuple[int, ...] = (4, 2)
@@ -84,6 +88,7 @@ class Schedule:
     balanced: bool = False
     relabel_suspected: bool = False
     family_from_scan: bool = False  # keep only the universal family whose scan named the target
+    target_top_label: bool = False  # act on the scan's top label even when its p-value is not significant
     scan_l2_rms: float = SCAN_L2_RMS  # the detection scan's budget (``pbe.detection``)
 
     def __post_init__(self):
@@ -325,7 +330,7 @@ class PBE(Defense):
         before_mon = run_monitor(model, data, probe, s, ctx).as_dict()
         report = {"schedule": s.as_dict(), "probe_indices": probe.tolist(), "monitor_before": before_mon,
                   "rounds": []}
-        allowed, target, flagged = torch.ones(n, dtype=torch.bool), self.params["target"], False
+        allowed, target, flagged, from_scan = torch.ones(n, dtype=torch.bool), self.params["target"], False, False
         if target is not None and target >= data.num_classes:
             raise PBEError(f"pbe: target {target} is not a label of the data ({data.num_classes} classes)")
         if s.refuse_suspected or s.universal_target or s.pgd_targeted:
@@ -333,10 +338,11 @@ class PBE(Defense):
             ctx.cost.forward_backward += scan.forward_backward
             ctx.cost.forward += scan.forward
             report["scan"] = scan.as_dict()
-            target = scan.label if target is None else target
+            from_scan = target is None and (scan.suspected or s.target_top_label)
+            target = scan.top_label if from_scan else target
             flagged = scan.suspected and scan.label == target  # evidence that early stop can watch
         report["target"] = target
-        if s.family_from_scan and flagged and scan.evidence in SCAN_FAMILIES:
+        if s.family_from_scan and (flagged or from_scan) and scan.evidence in SCAN_FAMILIES:
             kept = tuple(c for c in s.universals if c.kind in SCAN_FAMILIES[scan.evidence])
             if kept:
                 s = replace(s, universal=kept if len(kept) > 1 else kept[0])
