@@ -91,11 +91,15 @@ VARIANTS = {
     "both_families": ("t3 with two universal families at once, additive L2 and warp (1/64 of the side), 256 "
                       "images each; detection 4 (universal L2 + universal warp)",
                       replace(SCHEDULES["targeted"], family_from_scan=False, universal_images=256)),
-    "targeted": ("the default (SCHEDULES['targeted']): t3, unlearning only the universal family (additive or "
-                 "warp) whose detection scan named the target", SCHEDULES["targeted"]),
-    "top": ("targeted + the targeted levers act on the scan's top label even when its p-value is not "
-            "significant (the family: the scan's most significant statistic)",
-            replace(SCHEDULES["targeted"], target_top_label=True)),
+    "targeted_v1": ("the first 'targeted' default: t3, unlearning only the universal family (additive or warp) "
+                    "whose detection scan named the target", replace(SCHEDULES["targeted"], target_top_label=False)),
+    "targeted": ("the default (SCHEDULES['targeted']): targeted_v1 + a scan that misses the detection threshold "
+                 "still names its top label if its robust z >= 2 (WEAK_EVIDENCE_Z); rows of badnets, blend "
+                 "and wanet were run before that rule, which acts only on scans that miss the threshold (theirs "
+                 "did not)", SCHEDULES["targeted"]),
+    "top": ("targeted_v1 + the targeted levers act on the scan's top label even when its p-value is not "
+            "significant, at any z (the family: the scan's most significant statistic)",
+            replace(SCHEDULES["targeted"], target_min_z=0.0)),
     "t2_pgdt_oracle": ("t2_pgdt given the true target (oracle: the erasure alone)", T2_PGDT),
     "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
 }
@@ -107,12 +111,14 @@ class AblationTable(ResultsTable):
                  "Ranking AUC: how well the final round's score separates poison (1 = perfect).", "",
                  "| zoo | variant | what it changes | ACC before | ASR before | ACC | ASR | ACC drop | DER | "
                  "ranking AUC | epoch-eq. | wall s | hardware |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        def pct(v, scale=100):  # a clean model has no ASR (nor DER)
+            return "–" if v is None else f"{scale * v:.{2 if scale == 100 else 3}f}"
         for r in self.rows:
             auc = (r.get("detection") or {}).get("auc")
             lines.append(
-                f"| {r['zoo']} | {r['variant']} | {r['what']} | {100 * r['acc_before']:.2f} | "
-                f"{100 * r['asr_before']:.2f} | {100 * r['acc']:.2f} | {100 * r['asr']:.2f} | "
-                f"{100 * (r['acc_before'] - r['acc']):.2f} | {r['der']:.3f} | "
+                f"| {r['zoo']} | {r['variant']} | {r['what']} | {pct(r['acc_before'])} | "
+                f"{pct(r['asr_before'])} | {pct(r['acc'])} | {pct(r['asr'])} | "
+                f"{100 * (r['acc_before'] - r['acc']):.2f} | {pct(r.get('der'), 1)} | "
                 f"{'–' if auc is None else f'{auc:.3f}'} | {r['epoch_equivalents']:.2f} | {r['wall_s']:.0f} | "
                 f"{r['hardware']} |")
         return "\n".join(lines) + "\n"
@@ -126,7 +132,8 @@ def main() -> None:
     args = ap.parse_args()
     table = AblationTable(HERE / "results" / "pbe_ablation_cifar10", "PBE ablation on the CIFAR-10 dev zoo",
                           "python experiments/pbe_ablation_cifar10.py")
-    for entry in zoo_models("dev", "cifar10", args.only):
+    # clean models too: what the defaults cost a model that has no backdoor (ACC only)
+    for entry in zoo_models("dev", "cifar10", args.only, infected=False):
         if not zoo.is_built(entry.name):
             print(f"skip {entry.name}: not built yet")
             continue
@@ -139,15 +146,15 @@ def main() -> None:
             z = z or zoo.load(entry.name)
             what, schedule = VARIANTS[variant]
             oracle = variant.endswith(ORACLE)
-            if oracle and (z.attack.all_to_all or z.attack.target is None):
+            if oracle and (z.attack is None or z.attack.all_to_all or z.attack.target is None):
                 print(f"skip {entry.name} {variant}: no single target to give")
                 continue
             _, report = erase(z.model, z.train_set, schedule, seed=args.seed, progress=False,
-                              evaluation=Evaluation(z.test_set, z.attack, z.train_set.poison_indices),
+                              evaluation=Evaluation(z.test_set, z.attack, getattr(z.train_set, "poison_indices", None)),
                               target=z.attack.target if oracle else None)
             b, a = report["before"], report["after"]
             table.add({**cell, "acc": a["acc"], "asr": a["asr"], "ra": a["ra"], "acc_before": b["acc"],
-                       "asr_before": b["asr"], "ra_before": b["ra"], "der": report["der"],
+                       "asr_before": b["asr"], "ra_before": b["ra"], "der": report.get("der"),
                        "detection": report["rounds"][-1].get("detection"), "wall_s": report["wall_s"],
                        "epoch_equivalents": report["epoch_equivalents"],
                        "command": f"python experiments/pbe_ablation_cifar10.py --only {entry.name} --variants "
@@ -160,7 +167,8 @@ def main() -> None:
                                      for rd in report["rounds"]],
                        "scan": report.get("scan"), "acc_drop_estimate": report.get("acc_drop_estimate"),
                        "target_given": oracle, "target_used": report.get("target")})
-            print(f"{entry.name} {variant}: acc {b['acc']:.4f}->{a['acc']:.4f} asr {b['asr']:.4f}->{a['asr']:.4f} "
+            asr = "" if b["asr"] is None else f" asr {b['asr']:.4f}->{a['asr']:.4f}"
+            print(f"{entry.name} {variant}: acc {b['acc']:.4f}->{a['acc']:.4f}{asr} "
                   f"ee {report['epoch_equivalents']:.2f} wall {report['wall_s']:.0f}s", flush=True)
 
 

@@ -481,3 +481,6 @@ def test_target_top_label_acts_on_an_unflagged_scan(clean_model, digits):
     assert set(kinds) == set(report["families"]) == set(SCAN_FAMILIES[scan["evidence"]]) & {"l2", "warp"}
     assert report["rounds"][0]["subset_indices"] and all(
         int(digits[0].labels[i]) != scan["top_label"] for i in report["rounds"][0]["subset_indices"])
+    report, _ = _with_families((clean_model, None, digits[0]), family_from_scan=True, refuse_suspected=True,
+                               target_top_label=True, target_min_z=scan["score"] + 0.01)
+    assert report["scan"]["score"] == scan["score"] and report["target"] is None  # too weak to act on
