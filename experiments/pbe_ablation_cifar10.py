@@ -100,6 +100,9 @@ VARIANTS = {
     "top": ("targeted_v1 + the targeted levers act on the scan's top label even when its p-value is not "
             "significant, at any z (the family: the scan's most significant statistic)",
             replace(SCHEDULES["targeted"], target_min_z=0.0)),
+    "recal": ("targeted + the universal budget re-calibrated on the purified model before round 2 (on the "
+              "generalisation model badnets_random4 round 2 raised ASR from 1.37 to 4.98 % with no poison in its "
+              "subset)", replace(SCHEDULES["targeted"], recalibrate=True)),
     "t2_pgdt_oracle": ("t2_pgdt given the true target (oracle: the erasure alone)", T2_PGDT),
     "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
 }

@@ -377,6 +377,13 @@ def test_universal_reach_doubles_the_budget_until_the_target_is_reached(blend_mo
     assert used[len(tried):] and set(used[len(tried):]) == {tried[-1]["eps"]}  # training uses the last budget
     with pytest.raises(PBEError, match="universal_reach"):
         replace(s, universal_reach=1.5)
+    # recalibrate: before round 2 the budget is calibrated again, from the same start, on the purified model
+    report, configs = _universal_calls(blend_model, replace(s, fractions=(0.2, 0.3), epochs=(1, 1),
+                                                            adv_batches=(None, None), recalibrate=True),
+                                       target=blend_model[1].target)
+    again = report["rounds"][0]["universal_calibration_next"]
+    assert again[0]["eps"] == 0.05 and [t["eps"] for t in again] == [0.05 * 2 ** i for i in range(len(again))]
+    assert configs[-1].eps == again[-1]["eps"]  # round 2 trains with the new budget
 
 
 def test_universal_warp_is_a_bounded_smooth_resampling_toward_the_target(blend_model, digits):

@@ -50,7 +50,8 @@ class Schedule:
     `universal_reach` (before round 1 the targeted universal budget is doubled, at most
     ``MAX_DOUBLINGS`` times, until it sends that share of held-out images of other labels to the
     suspected label on the infected model: a backdoor whose trigger is not small, e.g. SIG's sinusoid,
-    still gets a universal perturbation that opens it; 0 keeps the budget).
+    still gets a universal perturbation that opens it; 0 keeps the budget; with `recalibrate` again
+    before every later round, on the model being purified: the budget that still reaches the target).
     None of these does anything when no label is suspected. `balanced` (every later subset takes the
     same share of each label's samples, least suspicious first, so that selection cannot tilt the
     classes). `relabel_suspected` (samples of the suspected label whose prediction the purification
@@ -91,6 +92,7 @@ class Schedule:
     family_from_scan: bool = False  # keep only the universal family whose scan named the target
     target_top_label: bool = False  # act on the scan's top label even when its p-value is not significant,
     target_min_z: float = 0.0  # if its robust z reaches this
+    recalibrate: bool = False  # universal_reach: re-calibrate the budget on the purified model before each round
     scan_l2_rms: float = SCAN_L2_RMS  # the detection scan's budget (``pbe.detection``)
 
     def __post_init__(self):
@@ -358,8 +360,10 @@ class PBE(Defense):
             if kept:
                 s = replace(s, universal=kept if len(kept) > 1 else kept[0])
                 report["families"] = [c.kind for c in kept]
-        if s.universal_reach > 0 and s.universal is not None and s.universal_target and target is not None:
-            cfgs, report["universal_calibration"] = calibrate_universal(original, data, target, s, ctx)
+        calibrate = s.universal_reach > 0 and s.universal is not None and s.universal_target and target is not None
+        base = s  # the budgets every calibration doubles from
+        if calibrate:
+            cfgs, report["universal_calibration"] = calibrate_universal(original, data, target, base, ctx)
             s = replace(s, universal=cfgs if isinstance(s.universal, tuple) else cfgs[0])
         if s.refuse_suspected and target is not None:
             allowed = data.labels != target
@@ -368,6 +372,10 @@ class PBE(Defense):
         stopped, trained = False, torch.zeros(n, dtype=torch.bool)
         train_view = data  # the training labels PBE fine-tunes with (relabel_suspected changes some)
         for t in range(len(s.fractions)):
+            if t and calibrate and s.recalibrate:  # the purified model: the budget that still reaches the target
+                cfgs, tried = calibrate_universal(model, data, target, base, ctx)
+                s = replace(s, universal=cfgs if isinstance(s.universal, tuple) else cfgs[0])
+                report["rounds"][-1]["universal_calibration_next"] = tried
             trained[subset] = True
             adversarial_finetune(model, train_view.subset(subset), s.epochs[t], s.adv_batches[t], s, ctx,
                                  f"PBE round {t + 1}/{len(s.fractions)}", target)
