@@ -1,0 +1,103 @@
+"""Which universal perturbation family reaches a backdoor's target? For every dev-set zoo model
+(CIFAR-10 and GTSRB, clean ones included) and every family below, one targeted universal
+perturbation per label is fitted on half of `--images` test images (none of that label) and applied
+to the other half; the row holds each label's held-out rate and the robust z of the top label
+(``pbe.detection``'s statistic) -> experiments/results/scan_families.{json,md}. A family that names
+the target on an infected model and nothing on a clean one is a candidate for detection and for
+PBE's targeted levers. Cells with a row on the committed weights are skipped.
+
+    python experiments/scan_families.py [--dataset gtsrb] [--only badnets clean] [--families mask l2]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from common import HERE, same_zoo_model, zoo_cell, zoo_models
+
+from pbe import zoo
+from pbe.adversarial import UniversalConfig, apply_universal, universal_perturbation
+from pbe.detection import SCAN_L2_RMS, _label_scores
+from pbe.metrics import predict
+from pbe.results import ResultsTable
+from pbe.utils import hardware_string, toolkit_version
+
+FAMILIES = {  # name -> config; budgets as a share of the image (l2: rms per pixel; mask: of the pixels)
+    "l2": UniversalConfig(kind="l2", eps=SCAN_L2_RMS, per_pixel=True, epochs=2),
+    "patch3": UniversalConfig(kind="patch", size=3, epochs=2),
+    "mask1pc": UniversalConfig(kind="mask", eps=0.01, epochs=2, batch_size=16),
+}
+
+
+def rates(model, test_set, cfg: UniversalConfig, images: int, seed: int) -> list[float]:
+    """Per label: the held-out share of other labels' images one targeted perturbation sends there."""
+    gen = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(len(test_set), generator=gen)[:2 * images]
+    x, y = test_set.images[pick], test_set.labels[pick]
+    xo, yo, xh, yh = x[:images], y[:images], x[images:].float() / 255, y[images:]
+    out = []
+    for label in range(test_set.num_classes):
+        src = yo != label
+        delta = universal_perturbation(model, xo[src], yo[src], cfg, gen, target=label)
+        pred = predict(model, apply_universal(xh, delta, cfg, gen))
+        out.append(round(float(((pred == label) & (yh != label)).sum() / (yh != label).sum().clamp_min(1)), 4))
+    return out
+
+
+class FamilyTable(ResultsTable):
+    def markdown(self) -> str:
+        lines = [f"# {self.title}", "", f"Regenerate: `{self.regenerate}`. Rates in % of held-out images of other "
+                 "labels; z: robust z of the top label (pbe.detection).", "",
+                 "| zoo | family | target | rate to target | top label | its rate | median rate | z | wall s | "
+                 "hardware |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in self.rows:
+            t, v = r["target"], r["rates"]
+            to_target = "–" if t is None else f"{100 * v[t]:.1f}"
+            lines.append(f"| {r['zoo']} | {r['family']} | {'–' if t is None else t} | {to_target} | {r['top_label']} | "
+                         f"{100 * max(v):.1f} | {100 * float(torch.tensor(v).median()):.1f} | {r['score']:.2f} | "
+                         f"{r['wall_s']:.0f} | {r['hardware']} |")
+        return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dataset", nargs="*", default=["cifar10", "gtsrb"])
+    ap.add_argument("--only", nargs="*", help="zoo names or attacks")
+    ap.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
+    ap.add_argument("--images", type=int, default=256, help="images that fit each perturbation (as many measure it)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    table = FamilyTable(HERE / "results" / "scan_families", "Universal families toward each label, dev-set zoo",
+                        "python experiments/scan_families.py")
+    for dataset in args.dataset:
+        for entry in zoo_models("dev", dataset, args.only, infected=False):
+            if not zoo.is_built(entry.name):
+                print(f"skip {entry.name}: not built yet")
+                continue
+            z = None
+            for family in args.families:
+                cell = zoo_cell(entry, "scan", "test", args.seed, schedule=f"family:{family}")
+                if same_zoo_model(table.find(**cell), entry):
+                    continue
+                z = z or zoo.load(entry.name)
+                start = time.time()
+                v = rates(z.model, z.test_set, FAMILIES[family], args.images, args.seed)
+                top, score, p = _label_scores(torch.tensor(v), int(args.images * (1 - 1 / len(v))))
+                target = cell["target"]
+                cfg = FAMILIES[family]
+                passes = len(v) * args.images * (cfg.epochs + 1 / 3)  # fit (forward+backward), measure (forward)
+                table.add({**cell, "family": family, "rates": v, "top_label": top, "score": round(score, 3),
+                           "p_value": p, "images": 2 * args.images, "ra": None, "acc_before": None,
+                           "asr_before": None, "ra_before": None, "der": None, "detection": None,
+                           "epoch_equivalents": passes / len(z.train_set),
+                           "wall_s": round(time.time() - start, 1), "zoo_sha256": z.row["sha256"],
+                           "command": f"python experiments/scan_families.py --dataset {dataset} --only {entry.name} "
+                                      f"--families {family} --images {args.images} --seed {args.seed}",
+                           "hardware": hardware_string(), "toolkit_version": toolkit_version(),
+                           "acc": z.row.get("acc"), "asr": z.row.get("asr")})
+                print(f"{entry.name} {family}: top {top} z {score:.2f} target {target}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
