@@ -30,6 +30,16 @@ def zoo_models(zoo_set: str = "dev", dataset: str = "cifar10", only: list[str] |
     return found
 
 
+def built_zoo_models(zoo_set: str = "dev", dataset: str = "cifar10", only: list[str] | None = None,
+                     infected: bool = True):
+    """``zoo_models`` that are built, saying which are skipped because they are not."""
+    for entry in zoo_models(zoo_set, dataset, only, infected):
+        if zoo.is_built(entry.name):
+            yield entry
+        else:
+            print(f"skip {entry.name}: not built yet")
+
+
 def zoo_source(entry: zoo.Entry) -> Path | None:
     """The committed zoo folder of an entry, relative to the repository root; None when not built
     (said on the console, so that a run before the zoo is complete does what it can)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from common import HERE, same_zoo_model, zoo_cell, zoo_models
+from common import HERE, built_zoo_models, same_zoo_model, zoo_cell
 
 from pbe import zoo
 from pbe.adversarial import PGDConfig, UniversalConfig
@@ -110,10 +110,10 @@ VARIANTS = {
 
 class AblationTable(ResultsTable):
     def markdown(self) -> str:
-        lines = [f"# {self.title}", "", f"Regenerate: `{self.regenerate}`. ACC / ASR in %, no clean data. "
-                 "Ranking AUC: how well the final round's score separates poison (1 = perfect).", "",
-                 "| zoo | variant | what it changes | ACC before | ASR before | ACC | ASR | ACC drop | DER | "
-                 "ranking AUC | epoch-eq. | wall s | hardware |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines = self.head(". ACC / ASR in %, no clean data. Ranking AUC: how well the final round's score separates "
+                          "poison (1 = perfect).",
+                          ["zoo", "variant", "what it changes", "ACC before", "ASR before", "ACC", "ASR", "ACC drop",
+                           "DER", "ranking AUC", "epoch-eq.", "wall s", "hardware"])
         def pct(v, scale=100):  # a clean model has no ASR (nor DER)
             return "–" if v is None else f"{scale * v:.{2 if scale == 100 else 3}f}"
         for r in self.rows:
@@ -136,10 +136,7 @@ def main() -> None:
     table = AblationTable(HERE / "results" / "pbe_ablation_cifar10", "PBE ablation on the CIFAR-10 dev zoo",
                           "python experiments/pbe_ablation_cifar10.py")
     # clean models too: what the defaults cost a model that has no backdoor (ACC only)
-    for entry in zoo_models("dev", "cifar10", args.only, infected=False):
-        if not zoo.is_built(entry.name):
-            print(f"skip {entry.name}: not built yet")
-            continue
+    for entry in built_zoo_models("dev", "cifar10", args.only, infected=False):
         z = None
         for variant in args.variants:
             cell = zoo_cell(entry, "pbe", "no-clean", args.seed, schedule=f"ablation:{variant}")

@@ -14,7 +14,7 @@ import argparse
 import time
 
 import torch
-from common import HERE, same_zoo_model, zoo_cell, zoo_models
+from common import HERE, built_zoo_models, same_zoo_model, zoo_cell
 
 from pbe import zoo
 from pbe.adversarial import UniversalConfig, apply_universal, universal_perturbation
@@ -47,10 +47,9 @@ def rates(model, test_set, cfg: UniversalConfig, images: int, seed: int) -> list
 
 class FamilyTable(ResultsTable):
     def markdown(self) -> str:
-        lines = [f"# {self.title}", "", f"Regenerate: `{self.regenerate}`. Rates in % of held-out images of other "
-                 "labels; z: robust z of the top label (pbe.detection).", "",
-                 "| zoo | family | target | rate to target | top label | its rate | median rate | z | wall s | "
-                 "hardware |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines = self.head(". Rates in % of held-out images of other labels; z: robust z of the top label "
+                          "(pbe.detection).", ["zoo", "family", "target", "rate to target", "top label", "its rate",
+                                               "median rate", "z", "wall s", "hardware"])
         for r in self.rows:
             t, v = r["target"], r["rates"]
             to_target = "–" if t is None else f"{100 * v[t]:.1f}"
@@ -71,10 +70,7 @@ def main() -> None:
     table = FamilyTable(HERE / "results" / "scan_families", "Universal families toward each label, dev-set zoo",
                         "python experiments/scan_families.py")
     for dataset in args.dataset:
-        for entry in zoo_models("dev", dataset, args.only, infected=False):
-            if not zoo.is_built(entry.name):
-                print(f"skip {entry.name}: not built yet")
-                continue
+        for entry in built_zoo_models("dev", dataset, args.only, infected=False):
             z = None
             for family in args.families:
                 cell = zoo_cell(entry, "scan", "test", args.seed, schedule=f"family:{family}")

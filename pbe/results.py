@@ -77,12 +77,16 @@ class ResultsTable:
         with atomic_path(self.json_path.with_suffix(".md")) as tmp:
             tmp.write_text(self.markdown())
 
+    def head(self, note: str, columns: list[str]) -> list[str]:
+        """The first lines of a rendered table: title, how to regenerate it (+ `note`), the column header."""
+        return [f"# {self.title}", "", f"Regenerate: `{self.regenerate}`{note}", "",
+                "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
     def markdown(self) -> str:
         head = ["zoo", "attack", "a2a", "defense", "setting", "seed", "ACC before", "ASR before", "ACC %", "ASR %",
                 "RA %", "DER", "det. P / R %", "wall s", "epoch-eq.", "hardware", "command"]
-        lines = [f"# {self.title}", "", f"Regenerate: `{self.regenerate}` (cells with a row are skipped; "
-                 "delete a row from the JSON to rerun it). Values in %, from the JSON beside this file.", "",
-                 "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines = self.head(" (cells with a row are skipped; delete a row from the JSON to rerun it). Values in %, "
+                          "from the JSON beside this file.", head)
         for r in self.rows:
             der = "–" if r.get("der") is None else f"{r['der']:.3f}"
             ee = "–" if r.get("epoch_equivalents") is None else f"{r['epoch_equivalents']:.2f}"
