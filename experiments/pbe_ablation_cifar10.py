@@ -100,6 +100,9 @@ VARIANTS = {
     "top": ("targeted_v1 + the targeted levers act on the scan's top label even when its p-value is not "
             "significant, at any z (the family: the scan's most significant statistic)",
             replace(SCHEDULES["targeted"], target_min_z=0.0)),
+    "targeted_relabel": ("targeted + relabelling (t4's lever: the target's samples the purification moved to "
+                         "another label, softmax >= 0.8, join round 2 with that label)",
+                         replace(SCHEDULES["targeted"], relabel_suspected=True)),
     "recal": ("targeted + the universal budget re-calibrated on the purified model before round 2 (on the "
               "generalisation model badnets_random4 round 2 raised ASR from 1.37 to 4.98 % with no poison in its "
               "subset)", replace(SCHEDULES["targeted"], recalibrate=True)),
