@@ -17,9 +17,8 @@ import torch
 from common import HERE, built_zoo_models, same_zoo_model, zoo_cell
 
 from pbe import zoo
-from pbe.adversarial import UniversalConfig, apply_universal, universal_perturbation
-from pbe.detection import SCAN_L2_RMS, _label_scores
-from pbe.metrics import predict
+from pbe.adversarial import UniversalConfig
+from pbe.detection import SCAN_L2_RMS, label_scores, reached
 from pbe.results import ResultsTable
 from pbe.utils import hardware_string, toolkit_version
 
@@ -36,13 +35,8 @@ def rates(model, test_set, cfg: UniversalConfig, images: int, seed: int) -> list
     pick = torch.randperm(len(test_set), generator=gen)[:2 * images]
     x, y = test_set.images[pick], test_set.labels[pick]
     xo, yo, xh, yh = x[:images], y[:images], x[images:].float() / 255, y[images:]
-    out = []
-    for label in range(test_set.num_classes):
-        src = yo != label
-        delta = universal_perturbation(model, xo[src], yo[src], cfg, gen, target=label)
-        pred = predict(model, apply_universal(xh, delta, cfg, gen))
-        out.append(round(float(((pred == label) & (yh != label)).sum() / (yh != label).sum().clamp_min(1)), 4))
-    return out
+    return [round(float(reached(model, xo, yo, xh, yh, cfg, label, gen).sum() / (yh != label).sum().clamp_min(1)), 4)
+            for label in range(test_set.num_classes)]
 
 
 class FamilyTable(ResultsTable):
@@ -79,7 +73,7 @@ def main() -> None:
                 z = z or zoo.load(entry.name)
                 start = time.time()
                 v = rates(z.model, z.test_set, FAMILIES[family], args.images, args.seed)
-                top, score, p = _label_scores(torch.tensor(v), int(args.images * (1 - 1 / len(v))))
+                top, score, p = label_scores(torch.tensor(v), int(args.images * (1 - 1 / len(v))))
                 target = cell["target"]
                 cfg = FAMILIES[family]
                 passes = len(v) * args.images * (cfg.epochs + 1 / 3)  # fit (forward+backward), measure (forward)

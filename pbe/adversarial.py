@@ -207,13 +207,11 @@ def _project_mask(m: torch.Tensor, budget: float) -> torch.Tensor:
     m = m.clamp(0, 1)
     if float(m.sum()) <= budget:
         return m
-    lo, hi = 0.0, float(m.max())
-    for _ in range(40):
+    lo, hi = torch.zeros((), device=m.device), m.max()
+    for _ in range(40):  # on tensors: no host synchronisation per halving
         tau = (lo + hi) / 2
-        if float((m - tau).clamp(0, 1).sum()) > budget:
-            lo = tau
-        else:
-            hi = tau
+        over = (m - tau).clamp(0, 1).sum() > budget
+        lo, hi = torch.where(over, tau, lo), torch.where(over, hi, tau)
     return (m - hi).clamp(0, 1)
 
 

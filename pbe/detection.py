@@ -139,11 +139,20 @@ def accuracy_gap(model: nn.Module, train_data, test_data, images: int, gen: torc
     return (out[0] - out[1]) * present.view(2, -1).all(0)  # a label missing from either split: no evidence
 
 
-def _label_scores(rates: torch.Tensor, n: int) -> tuple[int, float, float]:
+def label_scores(rates: torch.Tensor, n: int) -> tuple[int, float, float]:
     """(top label, its robust z among the labels' logit rates, p-value of the max of C such z)."""
     top = int(rates.argmax())
     z = _robust_z(_logit(rates, n), top, _logit_noise_floor(rates, top, n))
     return top, z, _p_value(z, len(rates))
+
+
+def reached(model: nn.Module, fit_x: torch.Tensor, fit_y: torch.Tensor, held_x: torch.Tensor, held_y: torch.Tensor,
+            family: UniversalConfig, label: int, gen: torch.Generator) -> torch.Tensor:
+    """Which held-out images (float in [0, 1]) of other labels one perturbation of `family`, targeted at
+    `label` and fitted on the fit images of other labels, sends there (a mask over `held_x`)."""
+    src = fit_y != label
+    delta = universal_perturbation(model, fit_x[src], fit_y[src], family, gen, target=label)
+    return (predict(model, apply_universal(held_x, delta, family, gen)) == label) & (held_y != label)
 
 
 def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float = SCAN_L2_RMS,
@@ -184,25 +193,22 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
         if warp_shift > 0 else None
     rates, warp_rates, per_image, matrix, fb, fw = [], [], [], torch.zeros(k, k), 0, 0
 
-    def reached(family: UniversalConfig, label: int) -> torch.Tensor:
-        """Held-out images of other labels that one perturbation of `family`, targeted at `label` and
-        fitted on the other half, sends there."""
+    def scan(family: UniversalConfig, label: int) -> torch.Tensor:
+        """``reached`` on this scan's halves, with its cost counted."""
         nonlocal fb, fw
-        src = yo != label
-        delta = universal_perturbation(model, xo[src], yo[src], family, gen, target=label)
-        fb += epochs * int(src.sum())
+        fb += epochs * int((yo != label).sum())
         fw += len(xh)
-        return (predict(model, apply_universal(xh_float, delta, family, gen)) == label) & (yh != label)
+        return reached(model, xo, yo, xh_float, yh, family, label, gen)
 
     for label in range(k):
         others = yh != label
-        hit = reached(cfg, label)
+        hit = scan(cfg, label)
         rates.append(float(hit.sum() / others.sum().clamp_min(1)))
         for c in range(k):
             if c != label and (yh == c).any():
                 matrix[c, label] = hit[yh == c].float().mean()
         if warp is not None:
-            warp_rates.append(float(reached(warp, label).sum() / others.sum().clamp_min(1)))
+            warp_rates.append(float(scan(warp, label).sum() / others.sum().clamp_min(1)))
         mine = others.clone()
         mine[n_probe:] = False
         if pgd_eps > 0 and mine.any():
@@ -212,11 +218,11 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
             fw += int(mine.sum())
             per_image.append(float((predict(model, moved) == label).float().mean()))
     n_measured = int(len(xh) * (k - 1) / k)
-    tests = {"universal": _label_scores(torch.tensor(rates), n_measured)}
+    tests = {"universal": label_scores(torch.tensor(rates), n_measured)}
     if warp_rates:
-        tests["warp"] = _label_scores(torch.tensor(warp_rates), n_measured)
+        tests["warp"] = label_scores(torch.tensor(warp_rates), n_measured)
     if per_image:
-        tests["per_image"] = _label_scores(torch.tensor(per_image), int(n_probe * (k - 1) / k))
+        tests["per_image"] = label_scores(torch.tensor(per_image), int(n_probe * (k - 1) / k))
     gap, gap_score = None, None
     if train_data is not None:
         if train_data.num_classes != k:

@@ -118,6 +118,10 @@ class Schedule:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def with_universals(self, configs: tuple[UniversalConfig, ...]) -> "Schedule":
+        """This schedule with these universal families (one config stays a config)."""
+        return replace(self, universal=configs if len(configs) > 1 else configs[0])
+
     @property
     def universals(self) -> tuple[UniversalConfig, ...]:
         """The universal families, as a tuple (empty without one)."""
@@ -358,13 +362,13 @@ class PBE(Defense):
         if s.family_from_scan and (flagged or from_scan) and scan.evidence in SCAN_FAMILIES:
             kept = tuple(c for c in s.universals if c.kind in SCAN_FAMILIES[scan.evidence])
             if kept:
-                s = replace(s, universal=kept if len(kept) > 1 else kept[0])
+                s = s.with_universals(kept)
                 report["families"] = [c.kind for c in kept]
         calibrate = s.universal_reach > 0 and s.universal is not None and s.universal_target and target is not None
         base = s  # the budgets every calibration doubles from
         if calibrate:
             cfgs, report["universal_calibration"] = calibrate_universal(original, data, target, base, ctx)
-            s = replace(s, universal=cfgs if isinstance(s.universal, tuple) else cfgs[0])
+            s = s.with_universals(cfgs)
         if s.refuse_suspected and target is not None:
             allowed = data.labels != target
         pool = allowed.nonzero().flatten()
@@ -374,7 +378,7 @@ class PBE(Defense):
         for t in range(len(s.fractions)):
             if t and calibrate and s.recalibrate:  # the purified model: the budget that still reaches the target
                 cfgs, tried = calibrate_universal(model, data, target, base, ctx)
-                s = replace(s, universal=cfgs if isinstance(s.universal, tuple) else cfgs[0])
+                s = s.with_universals(cfgs)
                 report["rounds"][-1]["universal_calibration_next"] = tried
             trained[subset] = True
             adversarial_finetune(model, train_view.subset(subset), s.epochs[t], s.adv_batches[t], s, ctx,
