@@ -107,18 +107,28 @@ def _set_rng_state(gen: torch.Generator, state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def lr_at(step: int, total: int, recipe: Recipe) -> float:
-    """Learning rate at a step: linear warm-up then linear decay (onecycle), or cosine."""
-    if recipe.schedule == "onecycle":
-        peak = max(1, int(recipe.warmup * total))
+LR_SCHEDULES = ("onecycle", "cosine", "constant")
+
+
+def lr_factor(step: int, total: int, schedule: str, warmup: float = 0.0) -> float:
+    """The one learning-rate schedule of the toolkit, as a multiplier of the base rate at `step` of
+    `total`: linear warm-up over a `warmup` share then linear decay (onecycle), cosine, or constant.
+    Training applies it per step; the defences' fine-tuning per epoch through ``LambdaLR``."""
+    if schedule == "onecycle":
+        peak = max(1, int(warmup * total))
         if step < peak:
-            return recipe.lr * (0.1 + 0.9 * step / peak)
-        return recipe.lr * max(0.0, (total - step) / max(1, total - peak))
-    if recipe.schedule == "cosine":
-        return recipe.lr * 0.5 * (1 + math.cos(math.pi * step / total))
-    if recipe.schedule == "constant":
-        return recipe.lr
-    raise PBEError(f"unknown schedule {recipe.schedule!r}; use onecycle, cosine or constant")
+            return 0.1 + 0.9 * step / peak
+        return max(0.0, (total - step) / max(1, total - peak))
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * step / total))
+    if schedule == "constant":
+        return 1.0
+    raise PBEError(f"unknown schedule {schedule!r}; use one of {', '.join(LR_SCHEDULES)}")
+
+
+def lr_at(step: int, total: int, recipe: Recipe) -> float:
+    """Learning rate of a training recipe at a step."""
+    return recipe.lr * lr_factor(step, total, recipe.schedule, recipe.warmup)
 
 
 def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.SGD:

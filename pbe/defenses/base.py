@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from pbe.data import ImageDataset, augment
 from pbe.metrics import der, evaluate, ranking_quality
 from pbe.models import capture
-from pbe.train import batches
+from pbe.train import batches, lr_factor
 from pbe.utils import PBEError, resolve_device, seed_everything, use_all_cpus
 
 SETTINGS = ("clean-extra", "no-clean")
@@ -198,8 +198,7 @@ def sgd_finetune(model: nn.Module, data: ImageDataset, ctx: Context, *, epochs: 
     if lr_schedule not in ("cosine", "constant"):
         raise PBEError(f"lr_schedule must be 'cosine' or 'constant', got {lr_schedule!r}")
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5 * (1 + math.cos(math.pi * e / epochs))
-                                               if lr_schedule == "cosine" else 1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: lr_factor(e, epochs, lr_schedule))
     bar = tqdm(total=epochs * math.ceil(len(data) / batch_size), desc=desc, disable=not ctx.progress,
                leave=False, unit="batch")
     for epoch in range(epochs):

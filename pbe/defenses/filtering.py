@@ -20,6 +20,14 @@ RETRAIN_RECIPE = "cpu"  # the zoo's infected models' recipe: retraining on the k
 
 
 class FilteringDefense(Defense):
+    """Base of the filtering defences: a subclass scores and flags, this class retrains without the flags.
+
+    Arguments every subclass takes:
+        retrain (str | None): recipe of ``pbe.train`` to retrain on the kept samples (default "cpu";
+            None: return the infected model with the flagged indices).
+        retrain_epochs (int | None): override the recipe's epochs (default None).
+    """
+
     setting = "no-clean"
 
     @abstractmethod

@@ -57,15 +57,12 @@ class FinePruning(Defense):
     Arguments:
         acc_ratio (float): stop pruning before clean accuracy falls this share below its start (default 0.1).
         once_prune_ratio (float): share of the channels pruned per step (default 0.01).
-        epochs (int): fine-tuning epochs after pruning (default 100).
-        lr (float): SGD learning rate, cosine-annealed (default 0.01).
-        batch_size (int): default 256.
-        momentum (float): default 0.9.
-        weight_decay (float): default 5e-4.
+        epochs, lr, batch_size, momentum, weight_decay: the fine-tuning after pruning, as
+            :class:`~pbe.defenses.ft.FineTuning` (defaults 100, 0.01 cosine-annealed, 256, 0.9, 5e-4).
 
     Example::
 
-        >>> result = pbe.defenses.create("fp", epochs=20)(model, clean_set, train_size=50_000)
+        >>> result = pbe.defenses.create("fp", acc_ratio=0.05, epochs=20)(model, clean_set, train_size=50_000)
     """
 
     name = "fp"

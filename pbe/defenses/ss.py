@@ -22,9 +22,8 @@ class SpectralSignatures(FilteringDefense):
 
     Arguments:
         percentile (float): keep each label's samples below this percentile of the score (default 85.0).
-        retrain (str | None): recipe of ``pbe.train`` to retrain on the kept samples (default "cpu";
-            None: return the infected model with the flagged indices).
-        retrain_epochs (int | None): override the recipe's epochs (default None).
+        retrain, retrain_epochs: what to do with the kept samples, as every
+            :class:`~pbe.defenses.filtering.FilteringDefense` (defaults "cpu", None).
 
     Example::
 

@@ -46,9 +46,8 @@ class STRIP(FilteringDefense):
     Arguments:
         n (int): superimpositions per sample (default 100).
         frr (float): false rejection rate that sets the entropy boundary (default 0.01).
-        retrain (str | None): recipe of ``pbe.train`` to retrain on the kept samples (default "cpu";
-            None: return the infected model with the flagged indices).
-        retrain_epochs (int | None): override the recipe's epochs (default None).
+        retrain, retrain_epochs: what to do with the kept samples, as every
+            :class:`~pbe.defenses.filtering.FilteringDefense` (defaults "cpu", None).
 
     Example::
 
