@@ -106,6 +106,8 @@ VARIANTS = {
     "recal": ("targeted + the universal budget re-calibrated on the purified model before round 2 (on the "
               "generalisation model badnets_random4 round 2 raised ASR from 1.37 to 4.98 % with no poison in its "
               "subset)", replace(SCHEDULES["targeted"], recalibrate=True)),
+    "targeted_oracle": ("the default given the true target (oracle: the erasure alone, where the scan cannot name "
+                        "it, e.g. clean-label SIG)", SCHEDULES["targeted"]),
     "t2_pgdt_oracle": ("t2_pgdt given the true target (oracle: the erasure alone)", T2_PGDT),
     "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
 }
@@ -169,6 +171,7 @@ def main() -> None:
                                                               "epoch_equivalents", "relabelled", "relabelled_poison")}
                                      for rd in report["rounds"]],
                        "scan": report.get("scan"), "acc_drop_estimate": report.get("acc_drop_estimate"),
+                       "universal_calibration": report.get("universal_calibration"),
                        "target_given": oracle, "target_used": report.get("target")})
             asr = "" if b["asr"] is None else f" asr {b['asr']:.4f}->{a['asr']:.4f}"
             print(f"{entry.name} {variant}: acc {b['acc']:.4f}->{a['acc']:.4f}{asr} "
