@@ -33,6 +33,7 @@ T2 = replace(T_COS, balanced=True, universal_reach=0.8)
 T2_PGDT = replace(T2, adv_share=1 / 3, pgd=PGD_T, pgd_targeted=True)
 T3 = replace(T2, early_stop=False)
 UNI_WARP = UniversalConfig(kind="warp", eps=0.5, size=4)  # a WaNet-shaped field: 4x4 control grid, 0.5 px
+UNI_MASK = UniversalConfig(kind="mask", eps=0.01, epochs=4, batch_size=16)  # Neural Cleanse's trigger, 1 % of the pixels
 ORACLE = "oracle"  # variants whose name ends so are given the true target (what the erasure could do if
 #                    detection named it); they measure the erasure alone and are never a default
 
@@ -108,6 +109,10 @@ VARIANTS = {
               "subset)", replace(SCHEDULES["targeted"], recalibrate=True)),
     "targeted_oracle": ("the default given the true target (oracle: the erasure alone, where the scan cannot name "
                         "it, e.g. clean-label SIG)", SCHEDULES["targeted"]),
+    "untargeted_mask": ("targeted with a universal mask (Neural Cleanse's (1 - m) x + m p, 1 % of the pixels) as its "
+                        "only family: where the scan names no target, one untargeted mask per epoch (on the "
+                        "all-to-all model it fools 97.6 % of training images, 1.1 % on the clean one)",
+                        SCHEDULES["targeted"].with_universals((UNI_MASK,))),
     "t2_pgdt_oracle": ("t2_pgdt given the true target (oracle: the erasure alone)", T2_PGDT),
     "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
 }
