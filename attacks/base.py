@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from pbe import rundir
 from pbe.data import ImageDataset
 from pbe.metrics import target_labels
 from pbe.utils import PBEError, atomic_path, write_json
@@ -52,6 +54,7 @@ class BackdoorAttack(nn.Module, ABC):
             raise PBEError(f"target must be a class index >= 0, got {target}")
         self.target, self.all_to_all, self.seed = int(target), bool(all_to_all), int(seed)
         self.shape: tuple[int, int, int] | None = None
+        self.loaded = False  # a saved trigger (load_state): never rebuilt for another image shape
 
     # ---- parameters and state
     def params(self) -> dict:
@@ -64,6 +67,9 @@ class BackdoorAttack(nn.Module, ABC):
         if len(shape) != 3 or shape[0] not in (1, 3):
             raise PBEError(f"images must be (C, H, W) with 1 or 3 channels, got {shape}")
         if self.shape != shape:
+            if self.loaded:
+                raise PBEError(f"this {self.name} trigger was saved for images of shape {list(self.shape)}, not "
+                               f"{list(shape)}; use the dataset the attack was planted on")
             self.shape = shape
             self._build(shape, torch.Generator().manual_seed(self.seed))
         return self
@@ -105,6 +111,9 @@ class BackdoorAttack(nn.Module, ABC):
         """Trigger and relabel ``round(rate * N)`` samples drawn (seeded) from ``candidates``."""
         if not 0 <= rate <= 1:
             raise PBEError(f"poison rate must be in [0, 1], got {rate}")
+        if not self.all_to_all and self.target >= dataset.num_classes:
+            raise PBEError(f"target {self.target} is not a label of {dataset.name} ({dataset.num_classes} classes: "
+                           f"0 to {dataset.num_classes - 1})")
         if self.target >= dataset.num_classes:
             raise PBEError(f"target {self.target} is not a class of {dataset.name} ({dataset.num_classes} classes)")
         n_poison = round(rate * len(dataset))
@@ -161,17 +170,28 @@ def load_state(path: str | Path, registry: dict) -> BackdoorAttack:
     stem = path.with_suffix("") if path.suffix in (".json", ".safetensors") else path
     if stem.is_dir():
         stem = stem / "attack"
-    side = stem.with_suffix(".json")
-    if not side.exists():
-        raise PBEError(f"attack state {side} not found (written by `pbe attack` as attack.json/.safetensors)")
-    info = json.loads(side.read_text())
-    if info.get("attack") not in registry:
-        raise PBEError(f"{side}: unknown attack {info.get('attack')!r}")
+    rundir.verify(stem.parent)  # a `pbe attack` folder: refuse one that mixes two runs
+    side, weights = stem.with_suffix(".json"), stem.with_suffix(".safetensors")
+    for f in (side, weights):
+        if not f.is_file():
+            raise PBEError(f"attack state {f} not found (`pbe attack` writes attack.json and attack.safetensors "
+                           "into its --out); point to that folder")
+    try:
+        info = json.loads(side.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise PBEError(f"attack state {side} is not valid JSON ({err}); rerun `pbe attack`") from err
+    if not isinstance(info, dict) or info.get("attack") not in registry or not isinstance(info.get("params"), dict):
+        raise PBEError(f"{side}: unknown attack {info.get('attack') if isinstance(info, dict) else info!r}; "
+                       f"known: {', '.join(sorted(registry))}")
     attack = registry[info["attack"]](**info["params"])
     if info.get("shape"):
         attack.prepare(info["shape"])
-    state = load_file(str(stem.with_suffix(".safetensors")))
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as err:
+        raise PBEError(f"{weights} is not a readable safetensors file: {err}") from err
     missing, unexpected = attack.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise PBEError(f"{stem}.safetensors does not fit {info['attack']}: missing {missing}, unexpected {unexpected}")
+        raise PBEError(f"{weights} does not fit {info['attack']}: missing {missing}, unexpected {unexpected}")
+    attack.loaded = attack.shape is not None
     return attack

@@ -83,6 +83,9 @@ def probe_indices(labels: torch.Tensor, size: int, seed: int = 0) -> torch.Tenso
     """A fixed, class-balanced random probe set."""
     gen = torch.Generator().manual_seed(seed)
     classes = torch.unique(labels)
+    if not isinstance(size, int) or isinstance(size, bool) or size < len(classes):
+        raise PBEError(f"probe size must be an integer >= the number of classes ({len(classes)}: one image "
+                       f"each at least), got {size!r}")
     per = max(1, size // len(classes))
     idx = [torch.nonzero(labels == c).flatten() for c in classes]
     idx = [i[torch.randperm(len(i), generator=gen)[:per]] for i in idx]
@@ -107,6 +110,8 @@ def detect(model: nn.Module, dataset, probe_size: int = PROBE_SIZE, cfg: PGDConf
     """
     if len(dataset) == 0:
         raise PBEError("detect() needs a non-empty dataset")
+    if not 0 < threshold < 1:
+        raise PBEError(f"the kappa threshold must be in (0, 1) (kappa is a share of the attraction), got {threshold}")
     idx = probe_indices(dataset.labels, probe_size, seed)
     return monitor(model, dataset.images[idx], dataset.labels[idx], dataset.num_classes, cfg, threshold)
 
@@ -118,6 +123,8 @@ def _channel_means(act: torch.Tensor) -> torch.Tensor:
 
 def top_k_neurons(act: torch.Tensor, k: int) -> set[int]:
     """Indices of the k channels (or units) with the largest mean activation over a set of inputs."""
+    if not isinstance(k, int) or k < 1:
+        raise PBEError(f"top-k needs an integer k >= 1, got {k!r}")
     return set(_channel_means(act).mean(0).topk(min(k, _channel_means(act).shape[1])).indices.tolist())
 
 

@@ -22,6 +22,9 @@ from pbe.utils import PBEError
 PAPER_EPS = 6 / 255  # the PBE authors' L-inf budget on CIFAR-10
 
 
+MAX_L2 = 1000.0  # an L2 budget above this is a mistake at any image size the toolkit handles
+
+
 @dataclass(frozen=True)
 class PGDConfig:
     """Attack budget. `step` defaults to eps / 5 (the PBE authors' choice); eps is in [0, 1] pixel units."""
@@ -38,8 +41,10 @@ class PGDConfig:
             raise PBEError(f"norm must be 'linf' or 'l2', got {self.norm!r}")
         if self.backend not in ("native", "foolbox"):
             raise PBEError(f"backend must be 'native' or 'foolbox', got {self.backend!r}")
-        if self.eps < 0 or self.steps < 0:
-            raise PBEError(f"eps and steps must be >= 0, got eps={self.eps}, steps={self.steps}")
+        if not (0 <= self.eps <= (1 if self.norm == "linf" else MAX_L2)) or not isinstance(self.steps, int) \
+                or self.steps < 0 or (self.step is not None and not 0 <= self.step <= max(1.0, self.eps)):
+            raise PBEError(f"PGD needs eps in [0, 1] (L-inf, pixel units; L2: [0, {MAX_L2:g}]), an integer number of "
+                           f"steps >= 0 and a step in [0, max(1, eps)]; got eps={self.eps}, steps={self.steps!r}, step={self.step}")
 
     @property
     def step_size(self) -> float:

@@ -15,8 +15,8 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from pbe import models
-from pbe.utils import PBEError, atomic_path, toolkit_version, write_json
+from pbe import models, rundir
+from pbe.utils import PBEError, atomic_path, regular_file, toolkit_version, write_json
 
 WEIGHTS, SIDECAR = ".safetensors", ".json"
 
@@ -56,8 +56,8 @@ def read_meta(path: str | Path) -> dict:
     if not side.exists():
         raise PBEError(f"sidecar {side} not found; it records the architecture needed to rebuild the model")
     try:
-        return json.loads(side.read_text())
-    except json.JSONDecodeError as err:
+        return json.loads(regular_file(side, "sidecar").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise PBEError(f"sidecar {side} is not valid JSON: {err}") from err
 
 
@@ -71,7 +71,7 @@ def load(path: str | Path, device="cpu", architecture: dict | None = None) -> tu
         meta = {"architecture": architecture}
         if architecture is None:
             raise PBEError(f"{path} is a bare state dict; pass architecture={{'name': 'preact_resnet18', "
-                           "'num_classes': 10, ...}} (CLI: --arch) to rebuild it")
+                           "'num_classes': 10, ...} (CLI: --arch JSON) to rebuild it")
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - any failure means an unusable file
@@ -80,10 +80,12 @@ def load(path: str | Path, device="cpu", architecture: dict | None = None) -> tu
             state = state["state_dict"]
     else:
         stem = _stem(path)
+        rundir.verify(stem.parent)  # a run folder of the CLI: its files must be the ones its manifest lists
         meta = read_meta(stem)
         weights = stem.with_suffix(WEIGHTS)
         if not weights.exists():
             raise PBEError(f"weights {weights} not found")
+        regular_file(weights, "weights")
         try:
             state = load_file(str(weights))
         except (SafetensorError, OSError) as err:
@@ -91,12 +93,24 @@ def load(path: str | Path, device="cpu", architecture: dict | None = None) -> tu
         architecture = architecture or meta.get("architecture")
         if not architecture:
             raise PBEError(f"{stem.with_suffix(SIDECAR)} names no architecture; pass architecture=")
+    if not isinstance(architecture, dict) or "name" not in architecture or "num_classes" not in architecture:
+        raise PBEError(f"the architecture of {path} must be a dict with at least name and num_classes, got "
+                       f"{architecture!r}")
     spec = dict(architecture)
-    model = models.create(spec.pop("name"), spec.pop("num_classes"), spec.pop("in_channels", 3), **spec)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as err:
-        raise PBEError(f"weights in {path} do not fit {models.describe(model)}: {str(err)[:300]}") from err
+    name, classes, channels = spec.pop("name"), spec.pop("num_classes"), spec.pop("in_channels", 3)
+    with torch.device("meta"):  # shapes first: a sidecar asking for a huge model allocates nothing
+        shapes = {k: tuple(v.shape) for k, v in models.create(name, classes, channels, **spec).state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if shapes != got:
+        wrong = sorted(set(shapes) ^ set(got)) or [k for k in shapes if shapes[k] != got[k]]
+        raise PBEError(f"weights in {path} do not fit the architecture {architecture} (first differences: "
+                       f"{wrong[:3]}); the sidecar and the weights are of different models")
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise PBEError(f"weights in {path} are not finite (NaN or inf in {bad[:3]}); the model is broken, "
+                       "retrain or restore it")
+    model = models.create(name, classes, channels, **spec)
+    model.load_state_dict(state)
     return model.to(device).eval(), meta
 
 

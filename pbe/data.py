@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pbe.registry import Registry
-from pbe.utils import PBEError, atomic_path
+from pbe.utils import PBEError, atomic_path, regular_file
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp")
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -75,6 +75,8 @@ def validate(ds: ImageDataset) -> None:
     if not isinstance(y, torch.Tensor) or y.dtype != torch.int64 or y.shape != (x.shape[0],):
         raise PBEError(f"{ds.name}: labels must be int64 of shape ({x.shape[0]},), got "
                        f"{getattr(y, 'dtype', type(y))} {tuple(getattr(y, 'shape', ()))}")
+    if len(ds.classes) < 2:
+        raise PBEError(f"{ds.name}: {len(ds.classes)} class; a classifier (and a backdoor target) needs at least 2")
     if len(y) and (int(y.min()) < 0 or int(y.max()) >= len(ds.classes)):
         raise PBEError(f"{ds.name}: labels span [{int(y.min())}, {int(y.max())}] but there are "
                        f"{len(ds.classes)} classes")
@@ -246,59 +248,93 @@ def load_gtsrb(root: Path, split="train", download=False, image_size: int = 32) 
 
 
 # ---------------------------------------------------------------- user data
+# The class list of a user dataset comes from one place for both splits (the training split's, or
+# the npz's own `classes`), so that a label id means the same class in training and in testing.
+def _npz_arrays(path: Path) -> tuple[np.ndarray, np.ndarray, list[str] | None]:
+    try:
+        with np.load(regular_file(path, "npz dataset"), allow_pickle=False) as f:
+            if "images" not in f or "labels" not in f:
+                raise PBEError(f"{path}: an npz dataset needs the keys 'images' and 'labels', found {sorted(f.keys())}")
+            images, labels = f["images"], f["labels"]
+            classes = [str(c) for c in f["classes"].tolist()] if "classes" in f else None
+    except (ValueError, OSError, EOFError) as err:  # zip errors, object arrays (pickles are refused)
+        raise PBEError(f"{path} is not a readable npz of plain arrays ({err})") from err
+    if labels.dtype.kind not in "iu" or labels.ndim != 1:
+        raise PBEError(f"{path}: labels must be a 1-D integer array (class ids), got {labels.dtype} {labels.shape}")
+    if len(labels) == 0:
+        raise PBEError(f"{path} holds no images")
+    return images, labels, classes
+
+
 def _npz(path: Path, classes: list[str] | None, name: str) -> ImageDataset:
-    with np.load(path, allow_pickle=False) as f:
-        if "images" not in f or "labels" not in f:
-            raise PBEError(f"{path}: an npz dataset needs the keys 'images' and 'labels', found {sorted(f.keys())}")
-        images, labels = f["images"], f["labels"]
+    images, labels, own = _npz_arrays(path)
     if images.dtype != np.uint8:
         raise PBEError(f"{path}: images must be uint8 in [0, 255], got {images.dtype}")
     if images.ndim == 3:
         images = images[..., None]
-    if images.ndim != 4 or images.shape[-1] not in (1, 3):
-        raise PBEError(f"{path}: images must be (N, H, W, C) with C in (1, 3), got {images.shape}")
+    if images.ndim != 4 or images.shape[-1] not in (1, 3) or images.shape[0] != len(labels):
+        raise PBEError(f"{path}: images must be (N, H, W, C) with C in (1, 3) and N = {len(labels)} labels, "
+                       f"got {images.shape}")
+    classes = own or classes or [str(i) for i in range(int(labels.max()) + 1)]
     x = torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2)))
-    y = torch.from_numpy(labels.astype(np.int64))
-    if classes is None:
-        classes = [str(i) for i in range(int(y.max()) + 1)]
-    return ImageDataset(x, y, classes, name, source=str(path))
+    return ImageDataset(x, torch.from_numpy(labels.astype(np.int64)), classes, name, source=str(path))
 
 
-def load_npz_dir(path: str | os.PathLike, split: str = "train") -> ImageDataset:
-    """``npz:<path>``: a file, or a folder holding ``*{split}*.npz``, with keys images (N,H,W,C) and labels."""
-    p = Path(path)
+def _npz_file(p: Path, split: str) -> Path:
     if p.is_dir():
         found = sorted(p.glob(f"*{split}*.npz"))
         if len(found) != 1:
             raise PBEError(f"expected exactly one '*{split}*.npz' in {p}, found {[f.name for f in found]}")
-        p = found[0]
-    if not p.exists():
-        raise PBEError(f"npz dataset {p} does not exist")
-    return _npz(p, None, f"npz:{path}")
+        return found[0]
+    return p
+
+
+def load_npz_dir(path: str | os.PathLike, split: str = "train") -> ImageDataset:
+    """``npz:<path>``: a file, or a folder holding ``*{split}*.npz``, with keys images (N,H,W,C), labels
+    (integer class ids) and optionally classes (their names). Without `classes`, the class list is
+    ``0 .. max label`` of the training file, for both splits."""
+    p = Path(path)
+    classes = None
+    if p.is_dir() and split == "test":
+        _, train_labels, classes = _npz_arrays(_npz_file(p, "train"))
+        classes = classes or [str(i) for i in range(int(train_labels.max()) + 1)]
+    return _npz(_npz_file(p, split), classes, f"npz:{path}")
+
+
+def _class_folders(folder: Path) -> list[str]:
+    return sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
 
 
 def load_imagefolder(path: str | os.PathLike, split: str = "train", image_size: int | None = None,
                      expected_classes: int | None = None) -> ImageDataset:
-    """``imagefolder:<path>``: ``path/<split>/<class>/*.jpg`` (or ``path/<class>/*`` for one split).
+    """``imagefolder:<path>``: ``path/train/<class>/*`` and ``path/test/<class>/*``.
 
-    Class folders in sorted order are the label ids. Decoding is batched and cached.
+    The training split's class folders, in sorted order, are the label ids of both splits; a test split
+    with a class the training split lacks, or without one of its classes, and an empty class folder,
+    are errors. Decoding is batched and cached; a file that does not decode is named.
     """
     root = Path(path).resolve()
-    folder = root / split if (root / split).is_dir() else root
-    if not folder.is_dir():
-        raise PBEError(f"image folder {folder} does not exist")
-    classes = sorted(d.name for d in folder.iterdir() if d.is_dir())
-    if not classes:
-        raise PBEError(f"{folder} holds no class folders; expected {folder}/<class>/<image>")
+    if not (root / "train").is_dir() or not (root / "test").is_dir():
+        raise PBEError(f"image folder {root} needs the subfolders train/<class>/ and test/<class>/ (found "
+                       f"{_class_folders(root) if root.is_dir() else 'no folder'}); a single folder would be "
+                       "tested on its own training images")
+    classes = _class_folders(root / "train")
+    if len(classes) < 2:
+        raise PBEError(f"{root / 'train'} holds {len(classes)} class folder(s); a classifier needs at least 2")
     if expected_classes is not None and len(classes) != expected_classes:
-        raise PBEError(f"{folder} has {len(classes)} class folders, expected {expected_classes}: {classes}")
+        raise PBEError(f"{root / 'train'} has {len(classes)} class folders, expected {expected_classes}: {classes}")
+    folder = root / split
+    here = _class_folders(folder)
+    if here != classes:
+        raise PBEError(f"{folder} has the class folders {here}, the training split {classes}: the label ids "
+                       "would shift between the splits; give both splits the same class folders")
     files, labels = [], []
     for k, c in enumerate(classes):
         fs = sorted(f for f in (folder / c).iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+        if not fs:
+            raise PBEError(f"class folder {folder / c} holds no images ({', '.join(IMAGE_SUFFIXES)})")
         files += fs
         labels += [k] * len(fs)
-    if not files:
-        raise PBEError(f"no images ({', '.join(IMAGE_SUFFIXES)}) under {folder}")
     x = _cached_decode(files, image_size)
     return ImageDataset(x, torch.tensor(labels, dtype=torch.int64), classes, f"imagefolder:{path}",
                         source=str(folder))
@@ -351,10 +387,14 @@ def _decode(files, image_size, chunk, tio, TF) -> torch.Tensor:
     out: list[torch.Tensor] = []
     for start in range(0, len(files), chunk):
         part = files[start:start + chunk]
+        imgs = None
         if all(f.suffix.lower() in (".jpg", ".jpeg") for f in part):
-            datas = [tio.read_file(str(f)) for f in part]
-            imgs = tio.decode_jpeg(datas, mode=tio.ImageReadMode.UNCHANGED)
-        else:
+            try:
+                imgs = tio.decode_jpeg([tio.read_file(str(regular_file(f, "image"))) for f in part],
+                                       mode=tio.ImageReadMode.UNCHANGED)
+            except RuntimeError:  # one bad file fails the batch: decode one by one to name it
+                imgs = None
+        if imgs is None:
             imgs = [_decode_one(f) for f in part]
         for im in imgs:
             if image_size is not None and tuple(im.shape[1:]) != (image_size, image_size):
@@ -371,12 +411,16 @@ def _decode(files, image_size, chunk, tio, TF) -> torch.Tensor:
 
 def _decode_one(f: Path) -> torch.Tensor:
     import torchvision.io as tio
-    if f.suffix.lower() in (".ppm", ".bmp"):
-        from PIL import Image
-        with Image.open(f) as im:
-            arr = np.asarray(im.convert("RGB"))
-        return torch.from_numpy(arr.copy()).permute(2, 0, 1)
-    return tio.decode_image(tio.read_file(str(f)), mode=tio.ImageReadMode.UNCHANGED)
+    regular_file(f, "image")
+    try:
+        if f.suffix.lower() in (".ppm", ".bmp"):
+            from PIL import Image
+            with Image.open(f) as im:
+                arr = np.asarray(im.convert("RGB"))
+            return torch.from_numpy(arr.copy()).permute(2, 0, 1)
+        return tio.decode_image(tio.read_file(str(f)), mode=tio.ImageReadMode.UNCHANGED)
+    except (RuntimeError, OSError, ValueError) as err:  # PIL's UnidentifiedImageError is an OSError
+        raise PBEError(f"image {f} cannot be decoded ({str(err).splitlines()[0][:120]}); repair or remove it") from err
 
 
 # ---------------------------------------------------------------- batched augmentation

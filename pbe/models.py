@@ -140,11 +140,23 @@ def register(name: str, factory: Callable[..., nn.Module]) -> None:
     MODELS.register(name, factory)
 
 
+MAX_CLASSES = 100_000
+MAX_WIDTH = 4096  # a sidecar asking for more would allocate tens of GB before any weight is read
+
+
 def create(name: str, num_classes: int, in_channels: int = 3, dataset: str | None = None,
            seed: int | None = None, **kw) -> nn.Module:
     """Build a registered model; `dataset` fills in its normalisation statistics when known, and
     `seed` makes the initial weights reproducible (without touching the global random state)."""
     factory = MODELS.get(name)
+    if not isinstance(num_classes, int) or not 2 <= num_classes <= MAX_CLASSES or in_channels not in (1, 3):
+        raise PBEError(f"a model needs 2 to {MAX_CLASSES} classes and 1 or 3 input channels, got {num_classes!r} "
+                       f"and {in_channels!r}")
+    width = kw.get("width")
+    if width is not None and (not isinstance(width, int) or isinstance(width, bool) or not 1 <= width <= MAX_WIDTH):
+        raise PBEError(f"model width must be an integer in [1, {MAX_WIDTH}], got {width!r}")
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2 ** 63):
+        raise PBEError(f"a model seed must be an integer in [0, 2**63), got {seed!r}")
     if dataset in DATASET_STATS and "mean" not in kw and len(DATASET_STATS[dataset][0]) == in_channels:
         kw["mean"], kw["std"] = DATASET_STATS[dataset]
     try:

@@ -26,6 +26,29 @@ from pbe.checkpoint import load_state, save_state
 from pbe.utils import PBEError, atomic_path, resolve_device, seed_everything, use_all_cpus
 
 
+LR_SCHEDULES = ("onecycle", "cosine", "constant")
+
+
+def lr_factor(step: int, total: int, schedule: str, warmup: float = 0.0) -> float:
+    """The one learning-rate schedule of the toolkit, as a multiplier of the base rate at `step` of
+    `total`: linear warm-up over a `warmup` share then linear decay (onecycle), cosine, or constant.
+    Training applies it per step; the defences' fine-tuning per epoch through ``LambdaLR``."""
+    if schedule == "onecycle":
+        peak = max(1, int(warmup * total))
+        if step < peak:
+            return 0.1 + 0.9 * step / peak
+        return max(0.0, (total - step) / max(1, total - peak))
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * step / total))
+    if schedule == "constant":
+        return 1.0
+    raise PBEError(f"unknown schedule {schedule!r}; use one of {', '.join(LR_SCHEDULES)}")
+
+
+MAX_RECIPE_INT = 100_000  # epochs, batch size, width: larger is a typo, not a plan
+MAX_LR = 10.0
+
+
 @dataclass(frozen=True)
 class Recipe:
     """Everything that decides a training run, besides data, model weights and seed."""
@@ -42,6 +65,20 @@ class Recipe:
     warmup: float = 0.25  # share of steps spent warming up (onecycle)
     label_smoothing: float = 0.1
     crop_padding: int = 4
+
+    def __post_init__(self):
+        ints = {"epochs": self.epochs, "batch_size": self.batch_size, "width": self.width}
+        for key, v in ints.items():
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_RECIPE_INT:
+                raise PBEError(f"recipe {key} must be an integer in [1, {MAX_RECIPE_INT}], got {v!r}")
+        if not 0 < self.lr <= MAX_LR:
+            raise PBEError(f"recipe lr must be in (0, {MAX_LR:g}], got {self.lr}")
+        if not (0 <= self.momentum < 1 and 0 <= self.weight_decay < 1 and 0 <= self.warmup < 1
+                and 0 <= self.label_smoothing < 1 and 0 <= self.crop_padding <= MAX_RECIPE_INT):
+            raise PBEError("recipe momentum, weight_decay, warmup and label_smoothing must be in [0, 1) and "
+                           f"crop_padding >= 0; got {self.momentum}, {self.weight_decay}, {self.warmup}, "
+                           f"{self.label_smoothing}, {self.crop_padding}")
+        lr_factor(0, 1, self.schedule)  # an unknown schedule is named here, not after the first epoch
 
 
 RECIPES = {
@@ -105,25 +142,6 @@ def _set_rng_state(gen: torch.Generator, state: dict) -> None:
     np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-LR_SCHEDULES = ("onecycle", "cosine", "constant")
-
-
-def lr_factor(step: int, total: int, schedule: str, warmup: float = 0.0) -> float:
-    """The one learning-rate schedule of the toolkit, as a multiplier of the base rate at `step` of
-    `total`: linear warm-up over a `warmup` share then linear decay (onecycle), cosine, or constant.
-    Training applies it per step; the defences' fine-tuning per epoch through ``LambdaLR``."""
-    if schedule == "onecycle":
-        peak = max(1, int(warmup * total))
-        if step < peak:
-            return 0.1 + 0.9 * step / peak
-        return max(0.0, (total - step) / max(1, total - peak))
-    if schedule == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * step / total))
-    if schedule == "constant":
-        return 1.0
-    raise PBEError(f"unknown schedule {schedule!r}; use one of {', '.join(LR_SCHEDULES)}")
 
 
 def lr_at(step: int, total: int, recipe: Recipe) -> float:

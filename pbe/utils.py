@@ -34,6 +34,8 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 def seed_everything(seed: int) -> torch.Generator:
     """Seed Python, NumPy and torch; return a CPU generator for explicit draws."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63:
+        raise PBEError(f"a seed must be an integer in [0, 2**63), got {seed!r}")
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -80,9 +82,25 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         if tmp.exists():
             os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the result gets the user's umask
         os.replace(tmp, path)
+        write_boundary()
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+FAULT_ENV = "PBE_FAULT_AFTER_WRITES"  # tests: the process dies right after its N-th write
+FAULT_EXIT = 75
+_writes = 0
+
+
+def write_boundary() -> None:
+    """Called after every file the toolkit writes and every rename of a run folder: with
+    ``PBE_FAULT_AFTER_WRITES=N`` the process dies (as from a kill -9, no cleanup) after the N-th one."""
+    global _writes
+    _writes += 1
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault.isdigit() and _writes == int(fault):
+        os._exit(FAULT_EXIT)
 
 
 def _umask() -> int:
@@ -92,16 +110,31 @@ def _umask() -> int:
 
 
 def check_writable(folder: str | os.PathLike, flag: str = "--out") -> Path:
-    """Create `folder` if needed and prove a file can be written there, before any work starts."""
+    """Prove, before any work starts, that `folder` can be written: its parent (where a run folder is
+    staged and swapped into place) and the folder itself when it exists. Creates only the parent."""
     folder = Path(folder)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".pbe-write-check.", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
+        if folder.exists() and not folder.is_dir():
+            raise PBEError(f"{flag} {folder} is a file, not a folder; choose another {flag}")
+        for place in (folder.parent, folder) if folder.exists() else (folder.parent,):
+            place.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".pbe-write-check.", dir=place)
+            os.close(fd)
+            os.unlink(probe)
     except OSError as err:
         raise PBEError(f"{flag} {folder} is not writable ({err.strerror}); choose another folder") from err
     return folder
+
+
+def regular_file(path: str | os.PathLike, what: str = "file") -> Path:
+    """`path` as a Path when it is an existing regular file; a FIFO, device or folder is refused
+    (reading one would hang or fail deep inside a decoder)."""
+    p = Path(path)
+    if not p.exists():
+        raise PBEError(f"{what} {p} does not exist")
+    if not p.is_file():
+        raise PBEError(f"{what} {p} is not a regular file (a folder, FIFO or device); point to the file itself")
+    return p
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -119,6 +152,11 @@ def _json_default(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     raise TypeError(f"cannot write {type(obj).__name__} as JSON")
+
+
+def json_safe(obj: Any) -> Any:
+    """`obj` as it reads back from JSON (dataclasses as dicts, tuples as lists)."""
+    return json.loads(json.dumps(obj, default=_json_default))
 
 
 def parse_params(items: list[str] | None) -> dict:

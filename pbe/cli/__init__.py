@@ -5,15 +5,23 @@ One module per command group, each with ``register(sub)``; user mistakes print o
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from pbe.cli import attack, defend, train, zoo
 from pbe.utils import PBEError
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors on one line (no usage block): ``pbe CMD: error: ...``, exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
     from pbe import __version__
-    ap = argparse.ArgumentParser(prog="pbe", description="Backdoor defence toolkit (Progressive Backdoor Erasing).")
+    ap = OneLineParser(prog="pbe", description="Backdoor defence toolkit (Progressive Backdoor Erasing).")
     ap.add_argument("--version", action="version", version=f"pbe {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     for group in (train, attack, defend, zoo):
@@ -26,10 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except PBEError as err:
-        print(f"pbe {args.command}: error: {err}", file=sys.stderr)
+        print(f"pbe {args.command}: error: {'; '.join(s.strip() for s in str(err).splitlines() if s.strip())}",
+              file=sys.stderr)
         return 2
-    except FileNotFoundError as err:
-        print(f"pbe {args.command}: error: {err.strerror}: {err.filename}", file=sys.stderr)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:  # a file the user named: one line
+        name = getattr(err, "filename", None)
+        what = f"{err.strerror}: {name}" if getattr(err, "strerror", None) and name else str(err) or type(err).__name__
+        print(f"pbe {args.command}: error: {what}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

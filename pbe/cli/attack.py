@@ -20,10 +20,10 @@ def cmd_attack(args) -> dict:
                                          device=args.device, log_path=log, state_path=state,
                                          progress=not args.no_progress)
 
-    def after(model):
+    def after(model, folder):
         poisoned = planted["set"]
-        attack.save(args.out / "attack")
-        write_json(args.out / "poison.json", {
+        attack.save(folder / "attack")
+        write_json(folder / "poison.json", {
             "rate": args.rate, "seed": args.seed, "poison_indices": poisoned.poison_indices.tolist(),
             "extra_indices": None if poisoned.extra_indices is None else poisoned.extra_indices.tolist(),
             "images_sha256": data_fingerprint(poisoned)})

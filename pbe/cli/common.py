@@ -3,24 +3,45 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 from pbe.utils import PBEError, check_writable
+
+
+def seed_arg(text: str) -> int:
+    """argparse type of --seed: an integer in [0, 2**63)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a seed is an integer, got {text!r}") from None
+    if not 0 <= value < 2 ** 63:
+        raise argparse.ArgumentTypeError(f"a seed must be in [0, 2**63), got {value}")
+    return value
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
     """--device --seed --out --data-root --dataset --no-progress --overwrite."""
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
-    p.add_argument("--seed", type=int, default=0, help="seed for every random draw (default: 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed for every random draw, in [0, 2**63) (default: 0)")
     p.add_argument("--out", type=Path, help="output directory")
     p.add_argument("--data-root", type=Path, help="dataset folder (not needed for the built-in 'digits')")
     p.add_argument("--dataset", default="digits",
                    help="cifar10 | mnist | gtsrb | digits | imagefolder:PATH | npz:PATH (default: digits)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("--overwrite", action="store_true", help="replace another run found in --out")
+
+
+def add_model_arg(p: argparse.ArgumentParser, help: str = "checkpoint: directory, .safetensors or its .json") -> None:
+    """--model and, for a legacy ``.pt`` state dict, --arch."""
+    p.add_argument("--model", required=True, help=help)
+    p.add_argument("--arch", help="for a legacy .pt state dict only: its architecture as JSON, e.g. "
+                                  "'{\"name\": \"preact_resnet18\", \"num_classes\": 10, \"width\": 16}'")
 
 
 def load_both(args):
@@ -36,75 +57,130 @@ def build_model(recipe, train_set, dataset_name: str, seed: int):
                          dataset=dataset_name, seed=seed, width=recipe.width)
 
 
-TRAIN_STATE = "train_state.safetensors"  # resumable training state inside --out, removed when the run ends
+TRAIN_STATE = "train_state.safetensors"  # resumable training state in the staging folder, dropped at the end
 
 
-def _finished_or_resumable(out: Path, run: dict, overwrite: bool) -> dict | None:
-    """The stored metrics when `out` holds this very run, finished; None when it is empty or holds this
-    run unfinished (training resumes). Another run in `out` is refused unless `overwrite`."""
-    import shutil
-
-    from pbe import checkpoint
-    side, metrics_file = out / "model.json", out / "metrics.json"
-    if side.exists() and metrics_file.exists():
-        if checkpoint.read_meta(side).get("run") == run:
-            return json.loads(metrics_file.read_text())
-    elif (out / TRAIN_STATE).exists() or not out.exists() or not any(out.iterdir()):
-        return None  # a state of another run is refused by train() itself, unless overwritten below
+def finished_run(out: Path, run: dict, overwrite: bool) -> dict | None:
+    """The stored metrics when `out` holds this very run, finished; None when it is empty, missing, or
+    (with `overwrite`) holds another run, which the new unit replaces when it is complete. Another
+    run is refused without `overwrite`."""
+    from pbe import checkpoint, rundir
+    if not out.exists() or not any(out.iterdir()):
+        return None
+    manifest = rundir.read_manifest(out)
+    metrics_file = out / "metrics.json"
+    if manifest is not None:
+        same = manifest["run"] == run
+        if same:
+            rundir.verify(out)
+    else:  # a folder of an older version: its sidecar names the run
+        same = (out / "model.json").exists() and checkpoint.read_meta(out / "model.json").get("run") == run
+    if same and metrics_file.exists():
+        return json.loads(metrics_file.read_text())
     if not overwrite:
-        raise PBEError(f"{out} holds another run (other command, data, recipe, seed or attack); "
+        raise PBEError(f"{out} holds another run (other command, data, recipe, seed, attack or defence); "
                        "choose another --out, or pass --overwrite to replace it")
-    shutil.rmtree(out)
     return None
+
+
+@contextlib.contextmanager
+def output_unit(args, run: dict, drop: tuple[str, ...] = ()) -> Iterator[Path | None]:
+    """Where a command writes its unit (``pbe.rundir``): yields the staging folder, or None when --out
+    already holds this finished run (its metrics printed; nothing to do). On success the unit gets its
+    manifest (the files `drop` left out of it) and is swapped into --out."""
+    from pbe import rundir
+    from pbe.utils import json_safe
+    if args.out is None:
+        raise PBEError(f"pbe {args.command} needs --out DIR")
+    run = json_safe(run)
+    out = check_writable(args.out)
+    with rundir.locked(out):
+        rundir.recover(out)
+        stage = rundir.staging(out)
+        if TRAIN_STATE in drop and (out / TRAIN_STATE).exists() and not stage.exists():
+            out.rename(stage)  # an unfinished run of a version that trained in --out itself: resume it there
+        overwrite = getattr(args, "overwrite", False)
+        done = finished_run(out, run, overwrite)
+        if done is not None:
+            print(f"{out} already holds this finished run; nothing to do", file=sys.stderr)
+            print(json.dumps(done))
+            yield None
+            return
+        if overwrite and stage.exists():
+            shutil.rmtree(stage)
+        stage.mkdir(parents=True, exist_ok=True)
+        yield stage
+        rundir.write_manifest(stage, run, drop)
+        rundir.commit(stage, out)
 
 
 def train_and_save(args, recipe, fit, attack=None, extra_meta: dict | None = None, after=None) -> dict:
     """Shared by ``pbe train`` and ``pbe attack``: load data, build the model, ``fit(model, train_set,
     test_set, log_path, state_path)``, evaluate (with the attack, if any), save model and sidecar,
-    ``after(model)`` (extra files), and metrics.json last. Rerunning the same command resumes an
-    interrupted run from its last finished epoch and returns a finished one's metrics untouched."""
+    ``after(model, folder)`` (extra files), and metrics.json, all in one unit (``output_unit``).
+    Rerunning the same command resumes an interrupted run from its last finished epoch and returns a
+    finished one's metrics untouched."""
     from dataclasses import asdict
 
     from pbe import checkpoint, metrics
     from pbe.utils import hardware_string, write_json
 
-    if args.out is None:
-        raise PBEError(f"pbe {args.command} needs --out DIR for the model and its metrics")
-    check_writable(args.out)
     run = {"command": args.command, "dataset": args.dataset, "seed": args.seed, "recipe_fields": asdict(recipe),
            **json.loads(json.dumps(extra_meta or {}))}
-    if getattr(args, "overwrite", False) and (args.out / TRAIN_STATE).exists():
-        (args.out / TRAIN_STATE).unlink()
-    done = _finished_or_resumable(args.out, run, getattr(args, "overwrite", False))
-    if done is not None:
-        print(f"{args.out} already holds this finished run; nothing to do", file=sys.stderr)
-        print(json.dumps(done))
-        return done
-    train_set, test_set = load_both(args)
-    model = build_model(recipe, train_set, args.dataset, args.seed)
-    args.out.mkdir(parents=True, exist_ok=True)
-    start = time.time()
-    fit(model, train_set, test_set, args.out / "train_log.jsonl", args.out / TRAIN_STATE)
-    history = [json.loads(line) for line in (args.out / "train_log.jsonl").read_text().splitlines()]
-    wall = history[-1]["elapsed_s"] if history else round(time.time() - start, 1)
-    result = {**metrics.evaluate(model, test_set, attack), "wall_s": wall,
-              "hardware": hardware_string(), "command": " ".join(["pbe"] + sys.argv[1:])}
-    meta = {"dataset": args.dataset, "classes": train_set.classes, "seed": args.seed, "recipe": args.recipe,
-            "recipe_fields": asdict(recipe), **(extra_meta or {}), "run": run, "metrics": result}
-    checkpoint.save(model, args.out / "model", meta)
-    if after is not None:
-        after(model)
-    write_json(args.out / "metrics.json", result)
-    (args.out / TRAIN_STATE).unlink(missing_ok=True)
+    with output_unit(args, run, drop=(TRAIN_STATE,)) as stage:
+        if stage is None:
+            return json.loads((args.out / "metrics.json").read_text())
+        train_set, test_set = load_both(args)
+        model = build_model(recipe, train_set, args.dataset, args.seed)
+        start = time.time()
+        fit(model, train_set, test_set, stage / "train_log.jsonl", stage / TRAIN_STATE)
+        log = stage / "train_log.jsonl"
+        history = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        wall = history[-1]["elapsed_s"] if history else round(time.time() - start, 1)
+        result = {**metrics.evaluate(model, test_set, attack), "wall_s": wall,
+                  "hardware": hardware_string(), "command": " ".join(["pbe"] + sys.argv[1:])}
+        meta = {"dataset": args.dataset, "classes": train_set.classes, "image_shape": list(train_set.image_shape),
+                "seed": args.seed, "recipe": args.recipe,
+                "recipe_fields": asdict(recipe), **(extra_meta or {}), "run": run, "metrics": result}
+        checkpoint.save(model, stage / "model", meta)
+        if after is not None:
+            after(model, stage)
+        write_json(stage / "metrics.json", result)
     print(json.dumps(result))
     return result
 
 
+def check_fits(model_meta: dict, data, where: str) -> None:
+    """Refuse data the model was not built for: other channels, classes, class names or image size."""
+    arch = model_meta.get("architecture") or {}
+    problems = []
+    if arch.get("in_channels", data.image_shape[0]) != data.image_shape[0]:
+        problems.append(f"{data.image_shape[0]} channels, the model takes {arch['in_channels']}")
+    if arch.get("num_classes", data.num_classes) != data.num_classes:
+        problems.append(f"{data.num_classes} classes, the model has {arch['num_classes']}")
+    elif model_meta.get("classes") not in (None, list(data.classes)):
+        problems.append(f"classes {list(data.classes)[:5]}..., the model's {model_meta['classes'][:5]}...")
+    if model_meta.get("image_shape") not in (None, list(data.image_shape)):
+        problems.append(f"images of shape {list(data.image_shape)}, the model was trained on {model_meta['image_shape']}")
+    if problems:
+        raise PBEError(f"{where} does not fit the model: {'; '.join(problems)}; pass the --dataset the model was "
+                       "trained on")
+
+
 def load_model_and_test(args):
-    """The checkpoint named by --model and the test split of its dataset (the sidecar's, unless
-    --dataset names another one than the default)."""
+    """The checkpoint named by --model (a legacy ``.pt`` with --arch) and the test split of its dataset
+    (the sidecar's, unless --dataset names another one than the default), checked to fit each other."""
     from pbe import checkpoint, data
-    model, meta = checkpoint.load(args.model, device="cpu")
+    arch = getattr(args, "arch", None)
+    if arch is not None:
+        try:
+            arch = json.loads(arch)
+        except json.JSONDecodeError as err:
+            raise PBEError(f"--arch must be JSON, e.g. '{{\"name\": \"preact_resnet18\", \"num_classes\": 10}}'; "
+                           f"got {arch!r} ({err})") from err
+    model, meta = checkpoint.load(args.model, device="cpu", architecture=arch)
     if args.dataset == "digits" and meta.get("dataset") not in (None, "digits"):
         args.dataset = meta["dataset"]
-    return model, meta, data.load(args.dataset, args.data_root, "test")
+    test = data.load(args.dataset, args.data_root, "test")
+    check_fits(meta, test, f"the test split of {args.dataset}")
+    return model, meta, test

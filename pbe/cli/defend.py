@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from pbe.cli.common import add_common, load_model_and_test
+from pbe.cli.common import add_common, add_model_arg, load_model_and_test, output_unit
 from pbe.activations import KAPPA_THRESHOLD, PROBE_SIZE
 from pbe.adversarial import MONITOR_PGD
 from pbe.detection import ALPHA, SCAN_IMAGES, SCAN_L2_RMS
@@ -25,6 +25,10 @@ def _pgd_config(args, base=None):
 
     from pbe.adversarial import PGDConfig
     cfg = base or PGDConfig()
+    if args.eps is not None and not 0 < args.eps <= 1:
+        raise PBEError(f"--eps must be in (0, 1] (pixel units; 6/255 = 0.0235), got {args.eps}")
+    if args.steps is not None and args.steps < 1:
+        raise PBEError(f"--steps must be >= 1, got {args.steps}")
     if args.eps is not None:
         cfg = replace(cfg, eps=args.eps, step=args.eps / 3 if cfg.step is not None else None)
     if args.steps is not None:
@@ -35,10 +39,15 @@ def _pgd_config(args, base=None):
 def _poisoned_from(run_dir: Path, clean_train):
     """Rebuild the exact poisoned training set of a `pbe attack` run and check its indices."""
     import attacks
+    from pbe import rundir
     info_path = run_dir / "poison.json"
-    if not info_path.exists():
+    if not info_path.is_file():
         raise PBEError(f"{info_path} not found; --poison-from takes a `pbe attack --out` directory")
-    info = json.loads(info_path.read_text())
+    rundir.verify(run_dir)
+    try:
+        info = json.loads(info_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise PBEError(f"{info_path} is not valid JSON ({err}); rerun the `pbe attack` that made it") from err
     attack = attacks.load(run_dir / "attack")
     poisoned = attack.poison(clean_train, info["rate"], info["seed"])
     if poisoned.poison_indices.tolist() != info["poison_indices"]:
@@ -49,67 +58,76 @@ def _poisoned_from(run_dir: Path, clean_train):
 ACC_DROP_WARNING = 0.03  # warn when a defence without clean data estimates a larger clean-accuracy drop
 
 
+def _run_identity(args) -> dict:
+    """What names a defence run: the command and every option that changes its result."""
+    skip = {"func", "out", "overwrite", "no_progress", "device"}
+    return {k: v if isinstance(v, (int, float, bool, type(None))) else str(v)
+            for k, v in sorted(vars(args).items()) if k not in skip}
+
+
 def run_defense(args, defense) -> dict:
     """Shared by ``pbe defend`` and ``pbe erase``: give `defense` the data its setting allows, measure
-    it against the attack (evaluation only), and write model, report, metrics and plots to --out."""
+    it against the attack (evaluation only), and write model, report, metrics and plots to --out as
+    one unit (``pbe.cli.common.output_unit``)."""
     from pbe import checkpoint, data
     from pbe.defenses import Evaluation
     from pbe.plots import plot_histograms, plot_rounds
     from pbe.utils import hardware_string, write_json
 
-    if args.out is None:
-        raise PBEError(f"pbe {args.command} needs --out DIR")
-    check_writable(args.out)
-    model, meta, test = load_model_and_test(args)
-    attack = None
-    if args.attack_state:
-        import attacks
-        attack = attacks.load(args.attack_state)
-    clean_train = data.load(args.dataset, args.data_root, "train")
-    poison_indices, extra = None, {}
-    if defense.setting == "no-clean":
-        if args.poison_from:
-            inputs, attack = _poisoned_from(Path(args.poison_from), clean_train)
-            poison_indices = inputs.poison_indices
-        elif args.train_data:
-            inputs = data.load(args.train_data, args.data_root, "train")
-        else:
-            raise PBEError(f"{defense.name} works without clean data and needs the (poisoned) training set: "
-                           "--poison-from RUN_DIR (a `pbe attack` output) or --train-data DATASET")
-    else:
-        if not 0 < args.clean_fraction <= 1:
-            raise PBEError(f"--clean-fraction must be in (0, 1], got {args.clean_fraction}")
-        if args.poison_from and attack is None:
+    run = {**_run_identity(args), "defense": defense.name, "params": defense.params}
+    with output_unit(args, run) as stage:
+        if stage is None:
+            return json.loads((args.out / "metrics.json").read_text())
+        model, meta, test = load_model_and_test(args)
+        attack = None
+        if args.attack_state:
             import attacks
-            attack = attacks.load(Path(args.poison_from) / "attack")
-        gen = torch.Generator().manual_seed(args.seed)
-        idx = torch.randperm(len(clean_train), generator=gen)[:round(args.clean_fraction * len(clean_train))]
-        inputs = clean_train.subset(idx.sort().values)
-        extra["clean_indices"] = idx.sort().values.tolist()
-    result = defense(model, inputs, seed=args.seed, device=args.device, progress=not args.no_progress,
-                     evaluation=Evaluation(test, attack, poison_indices), train_size=len(clean_train))
-    report = {**result.report, **extra, "hardware": hardware_string(), "command": " ".join(["pbe"] + sys.argv[1:])}
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "report.json", report)
-    summary = {k: report.get(k) for k in ("defense", "setting", "params", "before", "after", "der", "detection",
-                                          "epoch_equivalents", "wall_s")}
-    if "monitor_before" in report:
-        plot_rounds(report, args.out / "rounds.png")
-        plot_histograms(report["monitor_before"], report["monitor_after"], args.out / "adversarial_labels.png",
-                        test.classes)
-        for when in ("monitor_before", "monitor_after"):
-            summary[when] = {k: report[when][k] for k in ("top_label", "top_kappa", "suspected")}
-    estimate = (report.get("acc_drop_estimate") or {}).get("estimate")
-    if estimate is not None:
-        summary["acc_drop_estimate"] = estimate
-        if estimate > ACC_DROP_WARNING:
-            print(f"pbe {args.command}: warning: {defense.name} estimates it cost {100 * estimate:.1f} points of clean "
-                  f"accuracy (more than {100 * ACC_DROP_WARNING:.0f}); check the purified model on clean data, or "
-                  "try a smaller --lr", file=sys.stderr)
-    checkpoint.save(result.model, args.out / "model", {**{k: v for k, v in meta.items() if k != "metrics"},
-                                                       "defense": defense.name, "setting": defense.setting,
-                                                       "seed": args.seed, "metrics": summary})
-    write_json(args.out / "metrics.json", summary)
+            attack = attacks.load(args.attack_state)
+        clean_train = data.load(args.dataset, args.data_root, "train")
+        poison_indices, extra = None, {}
+        if defense.setting == "no-clean":
+            if args.poison_from:
+                inputs, attack = _poisoned_from(Path(args.poison_from), clean_train)
+                poison_indices = inputs.poison_indices
+            elif args.train_data:
+                inputs = data.load(args.train_data, args.data_root, "train")
+            else:
+                raise PBEError(f"{defense.name} works without clean data and needs the (poisoned) training set: "
+                               "--poison-from RUN_DIR (a `pbe attack` output) or --train-data DATASET")
+        else:
+            if not 0 < args.clean_fraction <= 1:
+                raise PBEError(f"--clean-fraction must be in (0, 1], got {args.clean_fraction}")
+            if args.poison_from and attack is None:
+                import attacks
+                attack = attacks.load(Path(args.poison_from) / "attack")
+            gen = torch.Generator().manual_seed(args.seed)
+            idx = torch.randperm(len(clean_train), generator=gen)[:round(args.clean_fraction * len(clean_train))]
+            inputs = clean_train.subset(idx.sort().values)
+            extra["clean_indices"] = idx.sort().values.tolist()
+        result = defense(model, inputs, seed=args.seed, device=args.device, progress=not args.no_progress,
+                         evaluation=Evaluation(test, attack, poison_indices), train_size=len(clean_train))
+        report = {**result.report, **extra, "hardware": hardware_string(),
+                  "command": " ".join(["pbe"] + sys.argv[1:])}
+        write_json(stage / "report.json", report)
+        summary = {k: report.get(k) for k in ("defense", "setting", "params", "before", "after", "der", "detection",
+                                              "epoch_equivalents", "wall_s")}
+        if "monitor_before" in report:
+            plot_rounds(report, stage / "rounds.png")
+            plot_histograms(report["monitor_before"], report["monitor_after"], stage / "adversarial_labels.png",
+                            test.classes)
+            for when in ("monitor_before", "monitor_after"):
+                summary[when] = {k: report[when][k] for k in ("top_label", "top_kappa", "suspected")}
+        estimate = (report.get("acc_drop_estimate") or {}).get("estimate")
+        if estimate is not None:
+            summary["acc_drop_estimate"] = estimate
+            if estimate > ACC_DROP_WARNING:
+                print(f"pbe {args.command}: warning: {defense.name} estimates it cost {100 * estimate:.1f} points of "
+                      f"clean accuracy (more than {100 * ACC_DROP_WARNING:.0f}); check the purified model on clean "
+                      "data, or try a smaller --lr", file=sys.stderr)
+        kept = {k: v for k, v in meta.items() if k not in ("metrics", "run")}  # the input's run is not this one
+        checkpoint.save(result.model, stage / "model", {**kept, "defense": defense.name, "setting": defense.setting,
+                                                        "seed": args.seed, "run": run, "metrics": summary})
+        write_json(stage / "metrics.json", summary)
     print(json.dumps({k: v for k, v in summary.items() if k != "params"}))
     return report
 
@@ -137,6 +155,8 @@ def cmd_erase(args) -> dict:
 
 def cmd_detect(args) -> dict:
     from pbe import data
+    if args.out:
+        check_writable(args.out)
     model, meta, test = load_model_and_test(args)
     ds = test if args.split == "test" else data.load(args.dataset, args.data_root, "train")
     if args.method == "universal":
@@ -178,6 +198,8 @@ def cmd_analyze(args) -> dict:
     from pbe.activations import detect, neuron_overlap, probe_indices
     from pbe.adversarial import adversarial_examples
     from pbe.models import last_conv_name
+    if args.out:
+        check_writable(args.out)
     model, meta, test = load_model_and_test(args)
     attack = attacks.load(args.attack_state)
     idx = probe_indices(test.labels, args.probe_size, args.seed)
@@ -207,7 +229,7 @@ def cmd_demo(args) -> dict:
 
 
 def _defense_data_args(p) -> None:
-    p.add_argument("--model", required=True, help="model to purify (checkpoint directory or file)")
+    add_model_arg(p, "model to purify (checkpoint directory or file)")
     p.add_argument("--clean-fraction", type=float, default=0.05,
                    help="clean-extra defences: share of the clean training set they get (default 0.05)")
     p.add_argument("--poison-from", help="`pbe attack --out` directory: rebuild its poisoned training set and "
@@ -254,7 +276,7 @@ def register(sub) -> None:
 
     p = sub.add_parser("detect", help="is a backdoor suspected, and which label is its target? (no trigger)")
     add_common(p)
-    p.add_argument("--model", required=True)
+    add_model_arg(p)
     p.add_argument("--split", choices=["train", "test"], default="test")
     p.add_argument("--method", choices=["universal", "kappa"], default="universal",
                    help="universal: one small targeted universal perturbation per label, null from the other "
@@ -273,7 +295,7 @@ def register(sub) -> None:
 
     p = sub.add_parser("analyze", help="neurons excited by clean, triggered and adversarial inputs")
     add_common(p)
-    p.add_argument("--model", required=True)
+    add_model_arg(p)
     p.add_argument("--attack-state", required=True)
     p.add_argument("--layers", nargs="*", help="layer names (default: the last conv layer)")
     p.add_argument("--k", type=int, default=10, help="top-k neurons per layer")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pbe.cli.common import add_common, load_both, load_model_and_test, train_and_save
+from pbe.cli.common import add_common, add_model_arg, load_both, load_model_and_test, train_and_save
 
 
 def cmd_train(args) -> dict:
@@ -20,6 +20,9 @@ def cmd_train(args) -> dict:
 
 def cmd_evaluate(args) -> dict:
     from pbe import metrics
+    from pbe.utils import check_writable
+    if args.out:
+        check_writable(args.out)
     model, _, test_set = load_model_and_test(args)
     attack = None
     if args.attack_state:
@@ -53,7 +56,7 @@ def register(sub) -> None:
 
     p = sub.add_parser("evaluate", help="clean accuracy (and ASR/RA with --attack-state) of a saved model")
     add_common(p)
-    p.add_argument("--model", required=True, help="checkpoint: directory, .safetensors or its .json")
+    add_model_arg(p)
     p.add_argument("--attack-state", help="attack state file saved by `pbe attack`, to measure ASR and RA")
     p.set_defaults(func=cmd_evaluate)
 

@@ -101,6 +101,29 @@ def _hint_name(hint) -> str:
     return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
 
 
+# ranges every defence's parameters of these names must respect (a subclass's _check adds its own)
+COUNTS = {"epochs", "adv_epochs", "teacher_epochs", "retrain_epochs", "batch_size", "iterations", "rounds", "k", "n",
+          "nb_dims", "steps"}
+MAX_COUNT = 10 ** 6
+RATES = {"lr", "delta_lr", "inner_step"}
+MAX_RATE = 100.0
+
+
+def check_ranges(name: str, params: dict) -> None:
+    """Refuse degenerate values of the parameters every defence names the same way, naming the range."""
+    for key, v in params.items():
+        if v is None or isinstance(v, bool):
+            continue
+        if key in COUNTS and not (isinstance(v, int) and 1 <= v <= MAX_COUNT):
+            raise PBEError(f"{name}: {key} must be an integer in [1, {MAX_COUNT}], got {v!r}")
+        if key in RATES and not (isinstance(v, (int, float)) and 0 < v <= MAX_RATE):
+            raise PBEError(f"{name}: {key} must be in (0, {MAX_RATE:g}], got {v!r}")
+        if key == "momentum" and not 0 <= v < 1:
+            raise PBEError(f"{name}: momentum must be in [0, 1), got {v!r}")
+        if key in ("weight_decay", "crop_padding") and not (0 <= v < MAX_RATE):
+            raise PBEError(f"{name}: {key} must be >= 0, got {v!r}")
+
+
 class Defense(ABC):
     """Base class. A subclass sets `name` and `setting`, takes its hyperparameters (its paper's or
     BackdoorBench's defaults) as explicit keyword arguments of ``__init__`` that it passes on to
@@ -127,6 +150,7 @@ class Defense(ABC):
             if key in hints and not _type_ok(value, hints[key]):
                 raise PBEError(f"{self.name}: parameter {key} must be {_hint_name(hints[key])}, got {value!r}")
         self.params = {**self.defaults, **params}
+        check_ranges(self.name, self.params)
         self._check()
 
     def _check(self) -> None:

@@ -1,0 +1,114 @@
+"""An output folder is one unit (pbe.rundir): a kill after any write of `pbe train | attack | defend |
+erase` leaves the old unit or the new one, never a mix; two writers on one --out never interleave."""
+import json
+import subprocess
+import sys
+
+import pytest
+from pbe import rundir
+from pbe.utils import FAULT_ENV, FAULT_EXIT, PBEError
+
+COMMON = ["--dataset", "digits", "--no-progress"]
+
+
+def pbe(*args, env=None):
+    import os
+    return subprocess.run([sys.executable, "-m", "pbe.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+
+
+def _child(argv, fault, errors):
+    """In a forked copy of this process (torch already imported: no start-up cost): run the command
+    line, dying after its `fault`-th write."""
+    import os
+
+    import torch
+
+    from pbe import utils
+    from pbe.cli import main
+    torch.set_num_threads(1)  # no OpenMP pool in the child
+    os.environ[FAULT_ENV] = str(fault)
+    utils._writes = 0
+    sys.stderr = open(errors, "w")
+    os._exit(main(argv))
+
+
+def pbe_killed(*args, fault: int, errors):
+    """The command line in a fork of this process, killed after its `fault`-th write: its exit code."""
+    import multiprocessing
+    proc = multiprocessing.get_context("fork").Process(target=_child, args=(list(args), fault, str(errors)))
+    proc.start()
+    proc.join(300)
+    return proc.exitcode
+
+
+def files(folder):
+    return {p.relative_to(folder).as_posix(): rundir.sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def attacked(tmp_path_factory):
+    out = tmp_path_factory.mktemp("units") / "attack"
+    r = pbe("attack", "--attack", "badnets", "--param", "size=2", "--recipe", "tiny", "--epochs", "2",
+            "--out", str(out), *COMMON)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def commands(attacked):
+    model = ["--model", str(attacked)]
+    return {
+        "train": lambda seed: ["train", "--recipe", "tiny", "--epochs", "1", "--seed", seed, *COMMON],
+        "attack": lambda seed: ["attack", "--attack", "blend", "--recipe", "tiny", "--epochs", "1", "--seed", seed,
+                                *COMMON],
+        "defend": lambda seed: ["defend", "--defense", "ft", "--param", "epochs=1", *model, "--poison-from", str(attacked),
+                                "--seed", seed, *COMMON],
+        "erase": lambda seed: ["erase", "--schedule", "fast", *model, "--poison-from", str(attacked),
+                               "--seed", seed, *COMMON],
+    }
+
+
+@pytest.mark.parametrize("command", ["train", "attack", "defend", "erase"])
+def test_kill_after_every_write_leaves_the_old_or_the_new_unit(command, attacked, tmp_path):
+    make = commands(attacked)[command]
+    out = tmp_path / "out"
+    r = pbe(*make("0"), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    old = files(out)
+    outcomes = []
+    for n in range(1, 40):
+        rc = pbe_killed(*make("1"), "--out", str(out), "--overwrite", fault=n, errors=tmp_path / "stderr")
+        if rc == 0:
+            break
+        assert rc == FAULT_EXIT, (rc, (tmp_path / "stderr").read_text())
+        rundir.recover(out)  # what the next command on this --out does first
+        now = files(out)
+        if now == old:
+            outcomes.append("old")
+        else:
+            manifest = rundir.verify(out)
+            assert manifest is not None and manifest["run"]["seed"] == 1, (n, sorted(now))
+            outcomes.append("new")
+        assert outcomes == sorted(outcomes, key=["old", "new"].index)  # never back from new to old
+    else:
+        pytest.fail("the command never finished")
+    assert n >= 5 and "old" in outcomes  # it was killed at every write up to its end
+    assert rundir.verify(out)["run"]["seed"] == 1
+    assert not rundir.staging(out).exists()
+
+
+def test_a_changed_file_is_refused_and_a_second_writer_waits(attacked, tmp_path):
+    out = tmp_path / "copy"
+    r = pbe("defend", "--defense", "ft", "--param", "epochs=1", "--model", str(attacked), "--poison-from", str(attacked),
+            "--out", str(out), *COMMON)
+    assert r.returncode == 0, r.stderr
+    from pbe import checkpoint
+    checkpoint.load(out)
+    side = json.loads((out / "model.json").read_text())
+    (out / "model.json").write_text(json.dumps({**side, "seed": 7}))
+    with pytest.raises(PBEError, match="mixes two runs"):
+        checkpoint.load(out)
+    with rundir.locked(out):
+        r = pbe("defend", "--defense", "ft", "--param", "epochs=1", "--model", str(attacked), "--poison-from", str(attacked),
+                "--out", str(out), "--overwrite", *COMMON)
+    assert r.returncode == 2 and "another pbe command is writing" in r.stderr and "Traceback" not in r.stderr
