@@ -6,7 +6,7 @@ import sys
 
 import pytest
 from pbe import rundir
-from pbe.utils import FAULT_ENV, FAULT_EXIT, PBEError
+from pbe.utils import FAULT_EXIT, PBEError
 
 COMMON = ["--dataset", "digits", "--no-progress"]
 
@@ -17,29 +17,44 @@ def pbe(*args, env=None):
                           env={**os.environ, **(env or {})})
 
 
-def _child(argv, fault, errors):
-    """In a forked copy of this process (torch already imported: no start-up cost): run the command
-    line, dying after its `fault`-th write."""
+DRIVER = """
+import json, os, sys
+import torch
+from pbe import utils
+from pbe.cli import main
+torch.set_num_threads(1)
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:  # the child: torch is already imported, so each run costs its compute only
+        os.environ[utils.FAULT_ENV] = str(job["fault"])
+        utils._writes = 0
+        fd = os.open(job["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 2)
+        os.dup2(fd, 1)
+        os._exit(main(job["argv"]))
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def driver():
+    """One single-threaded Python that forks a child per killed run (forking this multi-threaded
+    pytest process could deadlock OpenMP)."""
     import os
-
-    import torch
-
-    from pbe import utils
-    from pbe.cli import main
-    torch.set_num_threads(1)  # no OpenMP pool in the child
-    os.environ[FAULT_ENV] = str(fault)
-    utils._writes = 0
-    sys.stderr = open(errors, "w")
-    os._exit(main(argv))
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    yield proc
+    proc.stdin.close()
+    proc.wait(60)
 
 
-def pbe_killed(*args, fault: int, errors):
-    """The command line in a fork of this process, killed after its `fault`-th write: its exit code."""
-    import multiprocessing
-    proc = multiprocessing.get_context("fork").Process(target=_child, args=(list(args), fault, str(errors)))
-    proc.start()
-    proc.join(300)
-    return proc.exitcode
+def pbe_killed(driver, *args, fault: int, errors):
+    """The command line in a fork of the driver, killed after its `fault`-th write: its exit code."""
+    driver.stdin.write(json.dumps({"argv": list(args), "fault": fault, "stderr": str(errors)}) + "\n")
+    driver.stdin.flush()
+    return int(driver.stdout.readline())
 
 
 def files(folder):
@@ -69,7 +84,7 @@ def commands(attacked):
 
 
 @pytest.mark.parametrize("command", ["train", "attack", "defend", "erase"])
-def test_kill_after_every_write_leaves_the_old_or_the_new_unit(command, attacked, tmp_path):
+def test_kill_after_every_write_leaves_the_old_or_the_new_unit(command, attacked, driver, tmp_path):
     make = commands(attacked)[command]
     out = tmp_path / "out"
     r = pbe(*make("0"), "--out", str(out))
@@ -77,7 +92,7 @@ def test_kill_after_every_write_leaves_the_old_or_the_new_unit(command, attacked
     old = files(out)
     outcomes = []
     for n in range(1, 40):
-        rc = pbe_killed(*make("1"), "--out", str(out), "--overwrite", fault=n, errors=tmp_path / "stderr")
+        rc = pbe_killed(driver, *make("1"), "--out", str(out), "--overwrite", fault=n, errors=tmp_path / "stderr")
         if rc == 0:
             break
         assert rc == FAULT_EXIT, (rc, (tmp_path / "stderr").read_text())
