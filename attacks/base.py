@@ -111,11 +111,9 @@ class BackdoorAttack(nn.Module, ABC):
         """Trigger and relabel ``round(rate * N)`` samples drawn (seeded) from ``candidates``."""
         if not 0 <= rate <= 1:
             raise PBEError(f"poison rate must be in [0, 1], got {rate}")
-        if not self.all_to_all and self.target >= dataset.num_classes:
+        if self.target >= dataset.num_classes:
             raise PBEError(f"target {self.target} is not a label of {dataset.name} ({dataset.num_classes} classes: "
                            f"0 to {dataset.num_classes - 1})")
-        if self.target >= dataset.num_classes:
-            raise PBEError(f"target {self.target} is not a class of {dataset.name} ({dataset.num_classes} classes)")
         n_poison = round(rate * len(dataset))
         pool = self.candidates(dataset.labels, include_target)
         if n_poison > len(pool):

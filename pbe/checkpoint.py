@@ -82,10 +82,7 @@ def load(path: str | Path, device="cpu", architecture: dict | None = None) -> tu
         stem = _stem(path)
         rundir.verify(stem.parent)  # a run folder of the CLI: its files must be the ones its manifest lists
         meta = read_meta(stem)
-        weights = stem.with_suffix(WEIGHTS)
-        if not weights.exists():
-            raise PBEError(f"weights {weights} not found")
-        regular_file(weights, "weights")
+        weights = regular_file(stem.with_suffix(WEIGHTS), "weights")
         try:
             state = load_file(str(weights))
         except (SafetensorError, OSError) as err:

@@ -126,7 +126,7 @@ def train_and_save(args, recipe, fit, attack=None, extra_meta: dict | None = Non
     from pbe.utils import hardware_string, write_json
 
     run = {"command": args.command, "dataset": args.dataset, "seed": args.seed, "recipe_fields": asdict(recipe),
-           **json.loads(json.dumps(extra_meta or {}))}
+           **(extra_meta or {})}  # output_unit keeps it as it reads back from JSON
     with output_unit(args, run, drop=(TRAIN_STATE,)) as stage:
         if stage is None:
             return json.loads((args.out / "metrics.json").read_text())
