@@ -30,6 +30,15 @@ accuracy is scored the same way (robust z against the other labels, p-value of t
 The statistic with the smallest p-value decides, Bonferroni-corrected for the number of statistics
 tried (2, or 3 with `train_data`).
 
+Poison-label backdoors whose trigger is no small perturbation (SIG's sinusoid with relabelled poison)
+and all-to-all ones are seen by none of these, but with `train_data` their poison is a separate
+activation cluster of its label whose mean image, as a trigger, moves the model
+(``pbe.isolation``, after Activation Clustering, Chen et al. 2019), measured on up to
+``ISOLATION_PER_LABEL`` training images per label. When no statistic is significant, a label so
+flagged is the suspected target (``evidence = "cluster"``); several flagged labels (an all-to-all
+backdoor) are suspected with no single target (``label`` None, ``cluster_labels`` lists them). This
+decision has no p-value of its own: its thresholds are ``pbe.isolation``'s.
+
 All-to-all backdoors (y -> y + 1) have no single target: each label is reached from one source
 class only. The held-out images give the source-by-target matrix of rates for free; a label whose
 rate from one source class stands out of its row is reported in ``label_map`` (source -> target).
@@ -46,7 +55,9 @@ import torch
 import torch.nn as nn
 
 from pbe.adversarial import PGDConfig, UniversalConfig, apply_universal, pgd, universal_perturbation
+from pbe.isolation import isolate
 from pbe.metrics import predict
+from pbe.models import penultimate
 from pbe.utils import PBEError
 
 SCAN_L2_RMS = 1.0 / math.sqrt(3 * 32 * 32)  # L2 norm 1 on a CIFAR-10 image (dev-set choice)
@@ -59,8 +70,9 @@ WARP_GRID = 4  # its control grid (size x size displacements)
 PER_IMAGE_STEPS = 10
 PER_IMAGE_SHARE = 0.5  # of the held-out images (its cost: 10 steps x C labels x that many images)
 # bumped whenever the statistic changes, so that results tables re-measure rows made by an older one
-METHOD = "4: universal L2 + universal warp + train-test gap, MAD floored at 2 binomial SEs"
+METHOD = "5: universal L2 + universal warp + train-test gap, MAD floored at 2 binomial SEs; activation clusters"
 ALPHA = 0.01  # p-value below which a backdoor is suspected
+ISOLATION_PER_LABEL = 500  # training images per label the activation clusters are measured on
 GAP_UNIT = 0.02  # accuracy gaps are scored in these units (MAD floor 1 = a 2-point spread between labels)
 
 
@@ -85,6 +97,8 @@ class Detection:
     per_image_rates: list[float] | None = None  # per label, with the per-image probe
     warp_rates: list[float] | None = None  # per label, with the warp scan
     scores: dict | None = None  # the robust z of every statistic's top label
+    cluster_labels: list[int] | None = None  # labels with a confirmed poison cluster (with train_data)
+    isolation: dict | None = None  # pbe.isolation's findings on the training sample
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -192,6 +206,7 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
     warp = UniversalConfig(kind="warp", eps=warp_shift, size=WARP_GRID, epochs=epochs, per_pixel=True) \
         if warp_shift > 0 else None
     rates, warp_rates, per_image, matrix, fb, fw = [], [], [], torch.zeros(k, k), 0, 0
+    iso = None
 
     def scan(family: UniversalConfig, label: int) -> torch.Tensor:
         """``reached`` on this scan's halves, with its cost counted."""
@@ -233,12 +248,21 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
         gap_score = _robust_z(g / GAP_UNIT, g_top)  # in units where the MAD floor of 1 is a 2-point spread
         tests["gap"] = (g_top, gap_score, _p_value(gap_score, k))
         gap = [round(float(v), 4) for v in g]
+        sample = torch.cat([(train_data.labels == c).nonzero().flatten()[:ISOLATION_PER_LABEL] for c in range(k)])
+        if any(isinstance(m, nn.Linear) for m in model.modules()):
+            iso, passes = isolate(model, train_data.images[sample], train_data.labels[sample],
+                                  penultimate(model, train_data.images[sample]), gen, seed)
+            fw += len(sample) + passes
     # the most significant statistic decides, its p-value Bonferroni-corrected for how many were tried
     evidence, (top, z, p) = min(tests.items(), key=lambda kv: kv[1][2])
     p = min(1.0, len(tests) * p)
     suspected = p < alpha
+    label = top if suspected else None
+    if not suspected and iso is not None and iso.flagged:  # poison clusters: one target, or several labels
+        suspected, evidence = True, "cluster"
+        label = iso.flagged[0] if len(iso.flagged) == 1 else None
     label_map = None
-    if not suspected:  # one target per source class standing out of its row: all-to-all
+    if not suspected or evidence == "cluster":  # one target per source class standing out of its row: all-to-all
         per_source = max(1, len(xh) // k)
         found = {}
         for c in range(k):
@@ -251,8 +275,9 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
                 found[c] = t
         if len(found) >= k // 2:
             label_map = found
-    return Detection(bool(suspected), top if suspected else None, top, round(z, 3), p, alpha,
+    return Detection(bool(suspected), label, top, round(z, 3), p, alpha,
                      [round(v, 4) for v in rates], label_map, gap, None if gap_score is None else round(gap_score, 3),
                      len(pick), fb, fw, evidence, [round(v, 4) for v in per_image] or None,
                      [round(v, 4) for v in warp_rates] or None,
-                     {name: round(t[1], 3) for name, t in tests.items()})
+                     {name: round(t[1], 3) for name, t in tests.items()},
+                     None if iso is None else iso.flagged, None if iso is None else iso.as_dict())

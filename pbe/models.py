@@ -215,6 +215,36 @@ def capture(model: nn.Module, layers: Iterable[str | nn.Module], inputs: bool = 
             h.remove()
 
 
+def last_linear(model: nn.Module) -> nn.Linear:
+    """The model's last ``nn.Linear`` (its classification head, for the models of this toolkit)."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise PBEError("the model has no nn.Linear head to read penultimate features from")
+    return linears[-1]
+
+
+@torch.no_grad()
+def penultimate(model: nn.Module, images: torch.Tensor, batch_size: int = 512, device=None,
+                with_logits: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Inputs of the last linear layer (the representation AC, SS and ``pbe.isolation`` cluster) for
+    uint8 images, in eval mode; `with_logits`: ``(features, logits)`` from the same pass (the logits
+    equal ``pbe.metrics.predict``'s). `device`: default the model's."""
+    device = device if device is not None else next(model.parameters()).device
+    store: list[torch.Tensor] = []
+    logits: list[torch.Tensor] = []
+    head = last_linear(model)
+    was_training = model.training
+    model.eval()
+    try:
+        with capture(model, [head], inputs=True) as out:
+            for s in range(0, len(images), batch_size):
+                logits.append(model(images[s:s + batch_size].to(device).float().div_(255)).float().cpu())
+                store.append(out[head].flatten(1).float().cpu())
+    finally:
+        model.train(was_training)
+    return (torch.cat(store), torch.cat(logits)) if with_logits else torch.cat(store)
+
+
 @torch.no_grad()
 def activations(model: nn.Module, x: torch.Tensor, layers: list[str], batch_size: int = 256) -> dict[str, torch.Tensor]:
     """Outputs of the named submodules for inputs `x` (eval mode)."""

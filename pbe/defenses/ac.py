@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pbe.defenses.base import Context, penultimate
+from pbe.defenses.base import Context
+from pbe.models import penultimate
 from pbe.defenses.filtering import RETRAIN_RECIPE, FilteringDefense
 
 
@@ -46,7 +47,8 @@ class ActivationClustering(FilteringDefense):
     def score_and_flag(self, model, data, ctx: Context):
         from sklearn.cluster import KMeans
         from sklearn.decomposition import FastICA
-        feats = penultimate(model, data.images, ctx).numpy()
+        feats = penultimate(model, data.images, device=ctx.device).numpy()
+        ctx.cost.forward += len(data)
         scores = np.zeros(len(data))
         flagged = np.zeros(len(data), dtype=bool)
         shares = {}

@@ -24,7 +24,6 @@ from tqdm.auto import tqdm
 
 from pbe.data import ImageDataset, augment
 from pbe.metrics import der, evaluate, ranking_quality
-from pbe.models import capture
 from pbe.train import batches, lr_factor
 from pbe.utils import PBEError, resolve_device, seed_everything, use_all_cpus
 
@@ -246,27 +245,6 @@ def sgd_finetune(model: nn.Module, data: ImageDataset, ctx: Context, *, epochs: 
         scheduler.step()
     bar.close()
     model.eval()
-
-
-def last_linear(model: nn.Module) -> nn.Linear:
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    if not linears:
-        raise PBEError("the model has no nn.Linear head; this defence reads the penultimate features")
-    return linears[-1]
-
-
-@torch.no_grad()
-def penultimate(model: nn.Module, images: torch.Tensor, ctx: Context, batch_size: int = 512) -> torch.Tensor:
-    """Inputs of the last linear layer (the representation AC and SS cluster), for uint8 images."""
-    store: list[torch.Tensor] = []
-    head = last_linear(model)
-    model.eval()
-    with capture(model, [head], inputs=True) as out:
-        for s in range(0, len(images), batch_size):
-            model(images[s:s + batch_size].to(ctx.device).float().div_(255))
-            store.append(out[head].flatten(1).float().cpu())
-    ctx.cost.forward += len(images)
-    return torch.cat(store)
 
 
 def fresh_copy(model: nn.Module, seed: int) -> nn.Module:

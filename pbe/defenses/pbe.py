@@ -25,7 +25,9 @@ from pbe.adversarial import (MONITOR_PGD, PAPER_EPS, PAPER_PGD, PGDConfig, Unive
 from pbe.data import ImageDataset
 from pbe.detection import SCAN_L2_RMS, WARP_GRID, WARP_SHIFT, detect
 from pbe.defenses.base import Context, Defense, Evaluation, measure, sgd_finetune
+from pbe.isolation import EstimatedTrigger, isolate
 from pbe.metrics import predict, ranking_quality
+from pbe.models import penultimate
 from pbe.utils import PBEError
 
 
@@ -64,7 +66,13 @@ class Schedule:
     provided its robust z reaches `target_min_z`, and the family is that of the scan's most
     significant statistic: the defender runs PBE because a backdoor is suspected, and a weak scan, e.g.
     on the overfitted training images, still ranks the target first; the report keeps the p-value,
-    and early stop still needs a significant scan)."""
+    and early stop still needs a significant scan). `isolate` (where no target is named: the
+    training samples ``pbe.isolation.isolate`` finds in a separate activation cluster whose estimated
+    trigger moves the infected model's predictions are refused from every subset, that estimated
+    trigger is pasted on the universal share of every batch in place of the optimised perturbations,
+    and with `relabel_suspected` those of them the purification moved to another label join the next
+    round with it: poison-label backdoors without one small universal perturbation, e.g. all-to-all
+    BadNets or poison-label SIG)."""
 
     fractions: tuple[float, ...] = (0.05, 0.3)
     epochs: tuple[int, ...] = (4, 2)
@@ -92,6 +100,7 @@ class Schedule:
     family_from_scan: bool = False  # keep only the universal family whose scan named the target
     target_top_label: bool = False  # act on the scan's top label even when its p-value is not significant,
     target_min_z: float = 0.0  # if its robust z reaches this
+    isolate: bool = False  # no target named: refuse, unlearn and relabel the isolated poison cluster
     recalibrate: bool = False  # universal_reach: re-calibrate the budget on the purified model before each round
     scan_l2_rms: float = SCAN_L2_RMS  # the detection scan's budget (``pbe.detection``)
 
@@ -153,14 +162,18 @@ SCHEDULES = {
     # the training set: z 2.54, p 0.11 after the Bonferroni factor; "top" in the ablation). The target's
     # samples that round 1 moved to another label (softmax >= RELABEL_CONFIDENCE) join round 2 with
     # that label ("targeted_relabel": ASR 1.90 / 0.61 / 2.19 / 1.91 % on BadNets / Blend / Input-aware /
-    # WaNet, against 3.14 / 0.76 / 2.84 / 1.68 % without, "targeted_v2")
+    # WaNet, against 3.14 / 0.76 / 2.84 / 1.68 % without, "targeted_v2"). Where the scan names no label,
+    # the poison that pbe.isolation finds in a separate activation cluster is refused, its estimated
+    # trigger takes the universal share, and the cluster's samples that round 1 moved join round 2
+    # with their new label ("targeted_isolate": all-to-all BadNets, poison-label SIG)
     "targeted": Schedule(adv_share=0.0, universal=(UniversalConfig(kind="l2", eps=SCAN_L2_RMS, per_pixel=True),
                                                    UniversalConfig(kind="warp", eps=WARP_SHIFT, size=WARP_GRID,
                                                                    per_pixel=True)),
                          family_from_scan=True, universal_share=1 / 3, lr=1e-3, lr_schedule="cosine",
                          adv_batches=(None, None),
                          universal_target=True, refuse_suspected=True, balanced=True, universal_reach=0.8,
-                         early_stop=False, target_top_label=True, target_min_z=WEAK_EVIDENCE_Z, relabel_suspected=True),
+                         early_stop=False, target_top_label=True, target_min_z=WEAK_EVIDENCE_Z, relabel_suspected=True,
+                         isolate=True),
 }
 
 
@@ -181,15 +194,16 @@ class AdversarialBatches:
     the epoch's universal perturbation (``new_epoch`` re-optimises it). Labels stay the samples' own."""
 
     def __init__(self, model: nn.Module, data: ImageDataset, s: Schedule, adv_batches: int | None, ctx: Context,
-                 target: int | None = None):
+                 target: int | None = None, trigger: EstimatedTrigger | None = None):
         self.model, self.data, self.s, self.adv_batches, self.ctx = model, data, s, adv_batches, ctx
         self.target = target if s.universal_target else None
         self.pgd_target = target if s.pgd_targeted else None
+        self.trigger = trigger  # a fixed estimated trigger in place of the optimised perturbations
         self.done, self.deltas = 0, []
 
     def new_epoch(self, epoch: int) -> None:
         s = self.s
-        if s.universal_share == 0:
+        if s.universal_share == 0 or self.trigger is not None:
             return
         labels = self.data.labels
         pool = torch.arange(len(self.data)) if self.target is None else (labels != self.target).nonzero()[:, 0]
@@ -209,7 +223,10 @@ class AdversarialBatches:
                                x[n_adv:]])
                 self.ctx.cost.forward_backward += n_adv * s.pgd.steps
             self.done += 1
-        if self.deltas:  # the batch is shuffled: any slice is a random share; one part per family
+        if self.trigger is not None and s.universal_share > 0:
+            end = min(len(x), n_adv + round(s.universal_share * len(x)))
+            x = torch.cat([x[:n_adv], self.trigger.apply(x[n_adv:end]), x[end:]])
+        elif self.deltas:  # the batch is shuffled: any slice is a random share; one part per family
             end = min(len(x), n_adv + round(s.universal_share * len(x)))
             bounds = torch.linspace(n_adv, end, len(self.deltas) + 1).round().long().tolist()
             parts = [apply_universal(x[a:b], delta, cfg, self.ctx.gen)
@@ -219,10 +236,12 @@ class AdversarialBatches:
 
 
 def adversarial_finetune(model: nn.Module, data: ImageDataset, epochs: int, adv_batches: int | None, s: Schedule,
-                         ctx: Context, desc: str, target: int | None = None) -> None:
+                         ctx: Context, desc: str, target: int | None = None,
+                         trigger: EstimatedTrigger | None = None) -> None:
     """Fine-tune on `data` with the shared loop, the adversarial batches of `s` and its constant lr
-    (`target`: the suspected label, for ``s.universal_target``)."""
-    batches = AdversarialBatches(model, data, s, adv_batches, ctx, target)
+    (`target`: the suspected label, for ``s.universal_target``; `trigger`: an estimated trigger for the
+    universal share)."""
+    batches = AdversarialBatches(model, data, s, adv_batches, ctx, target, trigger)
     sgd_finetune(model, data, ctx, epochs=epochs, lr=s.lr, batch_size=s.batch_size, momentum=s.momentum,
                  weight_decay=s.weight_decay, crop_padding=s.crop_padding, lr_schedule=s.lr_schedule,
                  transform=batches, on_epoch=batches.new_epoch, desc=desc)
@@ -343,7 +362,11 @@ class PBE(Defense):
             raise PBEError("pbe needs the (possibly poisoned) training set; got fewer than 10 samples")
         n, ev = len(data), ctx.evaluation
         original = copy.deepcopy(model).eval()
-        z0 = predict(original, data.images, return_logits=True)
+        feats = None
+        if s.isolate and any(isinstance(m, nn.Linear) for m in original.modules()):
+            feats, z0 = penultimate(original, data.images, device=ctx.device, with_logits=True)  # the same logits
+        else:
+            z0 = predict(original, data.images, return_logits=True)
         ctx.cost.forward += n
         probe = probe_indices(data.labels, s.probe_size, ctx.seed)
         before_mon = run_monitor(model, data, probe, s, ctx).as_dict()
@@ -362,6 +385,19 @@ class PBE(Defense):
             target = scan.top_label if from_scan else target
             flagged = scan.suspected and scan.label == target  # evidence that early stop can watch
         report["target"] = target
+        iso = None
+        if s.isolate and target is None:
+            if feats is None:
+                report["isolation"] = "skipped: the model has no nn.Linear head to read features from"
+            else:  # its own generator: a run where nothing is isolated draws exactly as without this lever
+                iso, passes = isolate(original, data.images, data.labels, feats,
+                                      torch.Generator().manual_seed(ctx.seed), ctx.seed)
+                ctx.cost.forward += passes
+                report["isolation"] = iso.as_dict()
+                iso = iso if iso.suspected.any() else None
+        # the samples PBE distrusts: the suspected target's, or the isolated poison
+        suspect = iso.suspected if iso is not None else None if target is None else data.labels == target
+        trigger = iso.trigger if iso is not None else None
         if s.family_from_scan and (flagged or from_scan) and scan.evidence in SCAN_FAMILIES:
             kept = tuple(c for c in s.universals if c.kind in SCAN_FAMILIES[scan.evidence])
             if kept:
@@ -372,8 +408,8 @@ class PBE(Defense):
         if calibrate:
             cfgs, report["universal_calibration"] = calibrate_universal(original, data, target, base, ctx)
             s = s.with_universals(cfgs)
-        if s.refuse_suspected and target is not None:
-            allowed = data.labels != target
+        if iso is not None or (s.refuse_suspected and target is not None):
+            allowed = ~suspect
         pool = allowed.nonzero().flatten()
         subset = pool[torch.randperm(len(pool), generator=ctx.gen)[:max(1, round(s.fractions[0] * n))]].sort().values
         stopped, trained = False, torch.zeros(n, dtype=torch.bool)
@@ -385,7 +421,7 @@ class PBE(Defense):
                 report["rounds"][-1]["universal_calibration_next"] = tried
             trained[subset] = True
             adversarial_finetune(model, train_view.subset(subset), s.epochs[t], s.adv_batches[t], s, ctx,
-                                 f"PBE round {t + 1}/{len(s.fractions)}", target)
+                                 f"PBE round {t + 1}/{len(s.fractions)}", target, trigger)
             z = predict(model, data.images, return_logits=True)
             ctx.cost.forward += n
             suspicion = 0.5 - 0.5 * F.cosine_similarity(z0, z, dim=1)  # higher = more suspicious
@@ -415,13 +451,13 @@ class PBE(Defense):
                     stopped = True
                     break
             if t + 1 < len(s.fractions):
-                if s.refuse_suspected and target is not None:  # stays out unless the model still says so
+                if iso is None and s.refuse_suspected and target is not None:  # out unless the model still says so
                     allowed = (data.labels != target) | (z.argmax(1) == target)
                 subset = least_suspicious(suspicion.masked_fill(~allowed, float("inf")), data.labels,
                                           s.fractions[t + 1], s.balanced)
-                if s.relabel_suspected and target is not None:
+                if s.relabel_suspected and suspect is not None:
                     prob, pred = z.softmax(1).max(1)
-                    moved = (data.labels == target) & (pred != target) & (prob >= RELABEL_CONFIDENCE)
+                    moved = suspect & (pred != data.labels) & (prob >= RELABEL_CONFIDENCE)
                     labels = data.labels.clone()
                     labels[moved] = pred[moved]
                     train_view = ImageDataset(data.images, labels, data.classes, data.name, data.flip, data.source)

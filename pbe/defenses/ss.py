@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from pbe.defenses.base import Context, penultimate
+from pbe.defenses.base import Context
+from pbe.models import penultimate
 from pbe.defenses.filtering import RETRAIN_RECIPE, FilteringDefense
 from pbe.utils import PBEError
 
@@ -40,7 +41,8 @@ class SpectralSignatures(FilteringDefense):
             raise PBEError("ss: percentile must be in (0, 100)")
 
     def score_and_flag(self, model, data, ctx: Context):
-        feats = penultimate(model, data.images, ctx)
+        feats = penultimate(model, data.images, device=ctx.device)
+        ctx.cost.forward += len(data)
         scores = torch.zeros(len(data))
         flagged = torch.zeros(len(data), dtype=torch.bool)
         for c in range(data.num_classes):

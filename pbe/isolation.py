@@ -1,0 +1,159 @@
+"""Poison isolation from the defender's own, possibly poisoned, training set: which samples carry a
+trigger, and what that trigger looks like, without the trigger, the target or clean data.
+
+1. **Clusters** (the idea of Activation Clustering, Chen et al., SafeAI@AAAI 2019,
+   https://arxiv.org/abs/1811.03728): a poisoned sample reaches its label through the trigger, so in
+   the penultimate features of the infected model the label's samples split in two well-separated
+   groups. Per label: PCA to ``PCA_DIMS`` dimensions, 2-means, and the silhouette of that split. A
+   label is a candidate when its silhouette reaches ``SILHOUETTE_MIN`` (an absolute threshold, so
+   that an all-to-all backdoor, which splits *every* label, is seen as well as an all-to-one one).
+   Unlike AC's relative-size rule, either cluster may be the poison (half of an all-to-one target
+   label is poison at a 10 % rate).
+2. **The trigger the cluster reveals** (``EstimatedTrigger``): per pixel, from the poison group P and
+   a reference group R of other samples, ``x' = (1 - m) (x + mu_P - mu_R) + m mu_P`` with
+   ``m = 1 - sigma_P / sigma_R`` clipped to [0, 1]. It is exact for an additive trigger (SIG: ``m = 0``,
+   ``x + delta``), a pasted patch (BadNets: ``m = 1`` on the patch, ``x' = patch``) and a blend
+   (``x_p = (1 - a) x + a k``: ``m = a``, ``x' = (1 - a) x + a k``), given P and R come from the same
+   images before poisoning.
+3. **The model confirms** which cluster is the poison: the trigger estimated from it changes the
+   infected model's prediction on at least ``MIN_FOOLING`` of held-out images of other labels, and on
+   ``MIN_MARGIN`` more of them than the trigger estimated from the label's other cluster (a backdoor
+   is a universal perturbation of the model; a benign sub-population's mean image is not, and the
+   other cluster is the null of how much any mean-image shift moves this model). A label counts only
+   if one of its clusters passes; that one is the suspected poison.
+
+Thresholds were chosen on the CIFAR-10 dev-set zoo (``runs``: silhouettes of clean labels 0.19-0.35,
+of poisoned labels 0.53-0.77; fooling of the poison cluster's trigger 0.88-0.97, of the other
+cluster's 0.04-0.13).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from pbe.metrics import predict
+
+SILHOUETTE_MIN = 0.45  # a label's 2-means split at least this well separated is a candidate
+PCA_DIMS = 10
+SILHOUETTE_SAMPLE = 2000  # samples per label the silhouette is measured on
+MIN_FOOLING = 0.5  # share of held-out images of other labels the estimated trigger must move
+MIN_MARGIN = 0.5  # ... and how many more than the other cluster's (dev set: 0.75-0.88 poison, tiny digits 0.03-0.24)
+HELD_OUT = 256
+MIN_LABEL_SAMPLES = 20  # labels with fewer samples are not clustered
+REFERENCE_SAMPLES = 5000  # images the reference statistics of a trigger estimate are taken from
+_STD_FLOOR = 1.0 / 255
+
+
+@dataclass
+class EstimatedTrigger:
+    """``apply(x) = ((1 - mask) (x + shift) + mask pattern).clamp(0, 1)``, per pixel (C, H, W)."""
+
+    mask: torch.Tensor
+    pattern: torch.Tensor
+    shift: torch.Tensor
+
+    @classmethod
+    def estimate(cls, poison: torch.Tensor, reference: torch.Tensor) -> "EstimatedTrigger":
+        """From uint8 images that carry the trigger and uint8 images that do not (module docstring)."""
+        def stats(images):
+            total = torch.zeros(images.shape[1:], dtype=torch.float64)
+            squares = torch.zeros_like(total)
+            for s in range(0, len(images), 1024):
+                x = images[s:s + 1024].double() / 255
+                total += x.sum(0)
+                squares += (x * x).sum(0)
+            mean = total / len(images)
+            return mean, (squares / len(images) - mean * mean).clamp_min(0).sqrt()
+        mu_p, sd_p = stats(poison)
+        mu_r, sd_r = stats(reference)
+        mask = (1 - sd_p / sd_r.clamp_min(_STD_FLOOR)).clamp(0, 1)
+        return cls(mask.float(), mu_p.float(), (mu_p - mu_r).float())
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        m, p, d = (t.to(x.device) for t in (self.mask, self.pattern, self.shift))
+        return ((1 - m) * (x + d) + m * p).clamp(0, 1)
+
+
+@dataclass
+class Isolation:
+    """What ``isolate`` found: `suspected` is a boolean mask over the training samples."""
+
+    silhouettes: list[float]
+    flagged: list[int]  # labels with a confirmed poison cluster
+    fooling: dict[int, list[float]]  # per candidate label, the fooling rate of each cluster's trigger
+    suspected: torch.Tensor = field(repr=False)
+    trigger: EstimatedTrigger | None = field(default=None, repr=False)
+    trigger_fooling: float | None = None  # of the trigger estimated from all suspected samples
+
+    def as_dict(self) -> dict:
+        return {"silhouettes": self.silhouettes, "flagged": self.flagged,
+                "fooling": {str(k): v for k, v in self.fooling.items()}, "suspected": int(self.suspected.sum()),
+                "trigger_fooling": self.trigger_fooling}
+
+
+def _split(features: np.ndarray, seed: int) -> tuple[np.ndarray, float]:
+    """2-means of the PCA-reduced features: (cluster of each sample, silhouette of the split)."""
+    from sklearn.cluster import KMeans
+    from sklearn.decomposition import PCA
+    from sklearn.metrics import silhouette_score
+    reduced = PCA(min(PCA_DIMS, features.shape[1], len(features) - 1), random_state=seed).fit_transform(features)
+    assign = KMeans(n_clusters=2, n_init=10, random_state=seed).fit(reduced).labels_
+    if len(np.unique(assign)) < 2:
+        return assign, 0.0
+    rng = np.random.RandomState(seed)
+    sub = rng.choice(len(reduced), min(SILHOUETTE_SAMPLE, len(reduced)), replace=False)
+    if len(np.unique(assign[sub])) < 2:
+        return assign, 0.0
+    return assign, float(silhouette_score(reduced[sub], assign[sub]))
+
+
+def fooling_rate(model: nn.Module, trigger: EstimatedTrigger, images: torch.Tensor) -> float:
+    """Share of uint8 `images` whose prediction the trigger changes."""
+    x = images.float() / 255
+    return float((predict(model, trigger.apply(x)) != predict(model, x)).float().mean())
+
+
+def isolate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, features: torch.Tensor,
+            gen: torch.Generator, seed: int = 0) -> tuple[Isolation, int]:
+    """Suspected poison among the training samples (module docstring), and the images it ran the model on
+    (``forward`` passes, for the cost). `features`: the model's penultimate features of `images`."""
+    k = int(labels.max()) + 1
+    feats = features.numpy()
+    suspected = torch.zeros(len(labels), dtype=torch.bool)
+    silhouettes, flagged, fooling, passes = [], [], {}, 0
+    for c in range(k):
+        idx = (labels == c).nonzero().flatten()
+        if len(idx) < MIN_LABEL_SAMPLES:
+            silhouettes.append(0.0)
+            continue
+        assign, sil = _split(feats[idx.numpy()], seed)
+        silhouettes.append(round(sil, 4))
+        if sil < SILHOUETTE_MIN:
+            continue
+        others = (labels != c).nonzero().flatten()
+        others = others[torch.randperm(len(others), generator=gen)]
+        reference, held = images[others[HELD_OUT:HELD_OUT + REFERENCE_SAMPLES]], images[others[:HELD_OUT]]
+        rates = []
+        for part in (0, 1):
+            members = idx[torch.from_numpy(assign == part)]
+            rates.append(round(fooling_rate(model, EstimatedTrigger.estimate(images[members], reference), held), 4))
+            passes += 2 * len(held)
+        fooling[c] = rates
+        best = int(np.argmax(rates))
+        if rates[best] >= MIN_FOOLING and rates[best] - rates[1 - best] >= MIN_MARGIN:
+            flagged.append(c)
+            suspected[idx[torch.from_numpy(assign == best)]] = True
+    iso = Isolation(silhouettes, flagged, fooling, suspected)
+    if suspected.any():
+        clean = ~suspected & ~torch.isin(labels, torch.tensor(flagged)) if len(flagged) < k else ~suspected
+        if not clean.any():
+            clean = ~suspected
+        pool = clean.nonzero().flatten()
+        pool = pool[torch.randperm(len(pool), generator=gen)]
+        iso.trigger = EstimatedTrigger.estimate(images[suspected], images[pool[HELD_OUT:HELD_OUT + REFERENCE_SAMPLES]])
+        iso.trigger_fooling = round(fooling_rate(model, iso.trigger, images[pool[:HELD_OUT]]), 4)
+        passes += 2 * min(HELD_OUT, len(pool))
+    return iso, passes
