@@ -112,6 +112,10 @@ VARIANTS = {
                          "trigger pasted on a third of every batch with the samples' own labels, and its samples "
                          "the purification moved join round 2 with their new label); where a label is named it is "
                          "targeted_relabel", SCHEDULES["targeted"]),
+    "isolate_named": ("targeted_isolate + the isolation also where the scan names a target: when it confirms a poison "
+                      "cluster in that label, the cluster's estimated trigger replaces the optimised universal "
+                      "perturbations and only the cluster is refused and relabelled",
+                      replace(SCHEDULES["targeted"], isolate_named=True)),
     "recal": ("targeted + the universal budget re-calibrated on the purified model before round 2 (on the "
               "generalisation model badnets_random4 round 2 raised ASR from 1.37 to 4.98 % with no poison in its "
               "subset)", replace(TARGETED_V2, recalibrate=True)),

@@ -178,3 +178,24 @@ def test_detect_with_training_data_names_the_target_from_its_poison_cluster(toy)
     assert not alone.suspected and alone.cluster_labels is None
     spared = detect(clean, test, train_data=poisoned, images=100)
     assert not spared.suspected and spared.cluster_labels == []
+
+
+def test_isolate_named_uses_the_cluster_of_a_named_target_and_only_that(toy):
+    """With a target named (here: given), `isolate_named` refuses only that label's poison cluster and
+    unlearns its estimated trigger; naming another label finds no cluster there and leaves the
+    schedule's own levers."""
+    from pbe.defenses import erase
+    from pbe.demo import DIGITS_SCHEDULE
+    model, _, poisoned, _ = toy
+    s = replace(DIGITS_SCHEDULE, adv_share=0.0, crop_padding=0, probe_size=100, universal_share=1 / 3, isolate=True,
+                isolate_named=True, refuse_suspected=True, early_stop=False, fractions=(0.3,), epochs=(1,),
+                adv_batches=(None,), lr=0.1)
+    _, report = erase(model, poisoned, s, seed=0, progress=False, target=TARGET)
+    round1 = torch.tensor(report["rounds"][0]["subset_indices"])
+    poison = torch.zeros(len(poisoned), dtype=torch.bool)
+    poison[poisoned.poison_indices] = True
+    assert report["isolation"]["flagged"] == [TARGET] and not poison[round1].any()
+    assert (poisoned.labels[round1] == TARGET).any()  # the target's clean samples are not refused
+    _, other = erase(model, poisoned, s, seed=0, progress=False, target=TARGET + 1)
+    round1 = torch.tensor(other["rounds"][0]["subset_indices"])
+    assert not (poisoned.labels[round1] == TARGET + 1).any()  # that label refused whole, as without isolation

@@ -72,7 +72,9 @@ class Schedule:
     trigger is pasted on the universal share of every batch in place of the optimised perturbations,
     and with `relabel_suspected` those of them the purification moved to another label join the next
     round with it: poison-label backdoors without one small universal perturbation, e.g. all-to-all
-    BadNets or poison-label SIG)."""
+    BadNets or poison-label SIG). `isolate_named`: the same where a target is named, when the
+    isolation confirms a poison cluster in that label (its estimated trigger then replaces the optimised
+    universal perturbations, and only the cluster is refused)."""
 
     fractions: tuple[float, ...] = (0.05, 0.3)
     epochs: tuple[int, ...] = (4, 2)
@@ -101,6 +103,7 @@ class Schedule:
     target_top_label: bool = False  # act on the scan's top label even when its p-value is not significant,
     target_min_z: float = 0.0  # if its robust z reaches this
     isolate: bool = False  # no target named: refuse, unlearn and relabel the isolated poison cluster
+    isolate_named: bool = False  # isolate also where a target is named (a cluster of that label then decides)
     recalibrate: bool = False  # universal_reach: re-calibrate the budget on the purified model before each round
     scan_l2_rms: float = SCAN_L2_RMS  # the detection scan's budget (``pbe.detection``)
 
@@ -386,7 +389,7 @@ class PBE(Defense):
             flagged = scan.suspected and scan.label == target  # evidence that early stop can watch
         report["target"] = target
         iso = None
-        if s.isolate and target is None:
+        if s.isolate and (target is None or s.isolate_named):
             if feats is None:
                 report["isolation"] = "skipped: the model has no nn.Linear head to read features from"
             else:  # its own generator: a run where nothing is isolated draws exactly as without this lever
@@ -394,7 +397,10 @@ class PBE(Defense):
                                       torch.Generator().manual_seed(ctx.seed), ctx.seed)
                 ctx.cost.forward += passes
                 report["isolation"] = iso.as_dict()
-                iso = iso if iso.suspected.any() else None
+                if target is not None:  # a named target: only a poison cluster of that label counts
+                    iso.suspected &= data.labels == target
+                    iso = iso if target in iso.flagged else None
+                iso = iso if iso is not None and iso.suspected.any() else None
         # the samples PBE distrusts: the suspected target's, or the isolated poison
         suspect = iso.suspected if iso is not None else None if target is None else data.labels == target
         trigger = iso.trigger if iso is not None else None
@@ -403,7 +409,8 @@ class PBE(Defense):
             if kept:
                 s = s.with_universals(kept)
                 report["families"] = [c.kind for c in kept]
-        calibrate = s.universal_reach > 0 and s.universal is not None and s.universal_target and target is not None
+        calibrate = s.universal_reach > 0 and s.universal is not None and s.universal_target and target is not None \
+            and trigger is None
         base = s  # the budgets every calibration doubles from
         if calibrate:
             cfgs, report["universal_calibration"] = calibrate_universal(original, data, target, base, ctx)
