@@ -116,6 +116,9 @@ VARIANTS = {
                       "cluster in that label, the cluster's estimated trigger replaces the optimised universal "
                       "perturbations and only the cluster is refused and relabelled",
                       replace(SCHEDULES["targeted"], isolate_named=True)),
+    "relabel_all_isolated": ("targeted_isolate + every isolated sample (not only those round 1 moved with softmax "
+                             ">= 0.8) joins round 2 with the purified model's most likely label other than its own",
+                             replace(SCHEDULES["targeted"], relabel_all_isolated=True)),
     "recal": ("targeted + the universal budget re-calibrated on the purified model before round 2 (on the "
               "generalisation model badnets_random4 round 2 raised ASR from 1.37 to 4.98 % with no poison in its "
               "subset)", replace(TARGETED_V2, recalibrate=True)),

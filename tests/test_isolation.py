@@ -199,3 +199,28 @@ def test_isolate_named_uses_the_cluster_of_a_named_target_and_only_that(toy):
     _, other = erase(model, poisoned, s, seed=0, progress=False, target=TARGET + 1)
     round1 = torch.tensor(other["rounds"][0]["subset_indices"])
     assert not (poisoned.labels[round1] == TARGET + 1).any()  # that label refused whole, as without isolation
+
+
+def test_relabel_all_isolated_gives_every_isolated_sample_another_label(toy):
+    """`relabel_all_isolated`: after round 1 every isolated sample joins round 2, none with its own label."""
+    import pbe.defenses.pbe as defense
+    from pbe.defenses import erase
+    from pbe.demo import DIGITS_SCHEDULE
+    model, _, poisoned, _ = toy
+    seen = []
+    real = defense.adversarial_finetune
+
+    def spy(m, data, *a):
+        seen.append(data)
+        return real(m, data, *a)
+    s = replace(DIGITS_SCHEDULE, adv_share=0.0, crop_padding=0, probe_size=100, universal_share=1 / 3, isolate=True,
+                relabel_suspected=True, relabel_all_isolated=True, early_stop=False, fractions=(0.3, 0.3),
+                epochs=(1, 1), adv_batches=(None, None), lr=0.01)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(defense, "detect", lambda *a, **k: _no_target(poisoned.num_classes))
+        mp.setattr(defense, "adversarial_finetune", spy)
+        _, report = erase(model, poisoned, s, seed=0, progress=False)
+    suspected = report["isolation"]["suspected"]
+    assert report["rounds"][0]["relabelled"] == suspected > 0
+    second = seen[1]
+    assert len(second) >= suspected and int((second.labels == TARGET).sum()) < int((poisoned.labels == TARGET).sum()) - suspected // 2

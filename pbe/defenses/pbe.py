@@ -74,7 +74,10 @@ class Schedule:
     round with it: poison-label backdoors without one small universal perturbation, e.g. all-to-all
     BadNets or poison-label SIG). `isolate_named`: the same where a target is named, when the
     isolation confirms a poison cluster in that label (its estimated trigger then replaces the optimised
-    universal perturbations, and only the cluster is refused)."""
+    universal perturbations, and only the cluster is refused). `relabel_all_isolated` (with
+    `relabel_suspected`): every isolated sample, not only those the purification moved confidently,
+    joins the next round with the purified model's most likely label other than its own (the
+    isolation confirmed it as poison, whose label is the attacker's)."""
 
     fractions: tuple[float, ...] = (0.05, 0.3)
     epochs: tuple[int, ...] = (4, 2)
@@ -104,6 +107,7 @@ class Schedule:
     target_min_z: float = 0.0  # if its robust z reaches this
     isolate: bool = False  # no target named: refuse, unlearn and relabel the isolated poison cluster
     isolate_named: bool = False  # isolate also where a target is named (a cluster of that label then decides)
+    relabel_all_isolated: bool = False  # every isolated sample joins round 2 with its best other label
     recalibrate: bool = False  # universal_reach: re-calibrate the budget on the purified model before each round
     scan_l2_rms: float = SCAN_L2_RMS  # the detection scan's budget (``pbe.detection``)
 
@@ -467,6 +471,11 @@ class PBE(Defense):
                     moved = suspect & (pred != data.labels) & (prob >= RELABEL_CONFIDENCE)
                     labels = data.labels.clone()
                     labels[moved] = pred[moved]
+                    if iso is not None and s.relabel_all_isolated:  # confirmed poison: its label is the attacker's
+                        rest = suspect & ~moved
+                        own = F.one_hot(data.labels, data.num_classes).bool()
+                        labels[rest] = z.masked_fill(own, float("-inf")).argmax(1)[rest]
+                        moved = moved | rest
                     train_view = ImageDataset(data.images, labels, data.classes, data.name, data.flip, data.source)
                     subset = torch.cat([subset, moved.nonzero().flatten()]).unique()
                     row["relabelled"] = int(moved.sum())
