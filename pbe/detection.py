@@ -70,7 +70,7 @@ WARP_GRID = 4  # its control grid (size x size displacements)
 PER_IMAGE_STEPS = 10
 PER_IMAGE_SHARE = 0.5  # of the held-out images (its cost: 10 steps x C labels x that many images)
 # bumped whenever the statistic changes, so that results tables re-measure rows made by an older one
-METHOD = "5: universal L2 + universal warp + train-test gap, MAD floored at 2 binomial SEs; activation clusters"
+METHOD = "6: universal L2 + universal warp + train-test gap, MAD floored at 2 binomial SEs; activation clusters"
 ALPHA = 0.01  # p-value below which a backdoor is suspected
 ISOLATION_PER_LABEL = 500  # training images per label the activation clusters are measured on
 GAP_UNIT = 0.02  # accuracy gaps are scored in these units (MAD floor 1 = a 2-point spread between labels)
@@ -248,7 +248,8 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
         gap_score = _robust_z(g / GAP_UNIT, g_top)  # in units where the MAD floor of 1 is a 2-point spread
         tests["gap"] = (g_top, gap_score, _p_value(gap_score, k))
         gap = [round(float(v), 4) for v in g]
-        sample = torch.cat([(train_data.labels == c).nonzero().flatten()[:ISOLATION_PER_LABEL] for c in range(k)])
+        order = torch.randperm(len(train_data), generator=gen)  # a random sample: poison may sit anywhere
+        sample = torch.cat([order[train_data.labels[order] == c][:ISOLATION_PER_LABEL] for c in range(k)])
         if any(isinstance(m, nn.Linear) for m in model.modules()):
             iso, passes = isolate(model, train_data.images[sample], train_data.labels[sample],
                                   penultimate(model, train_data.images[sample]), gen, seed)
