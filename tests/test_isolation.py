@@ -178,6 +178,10 @@ def test_detect_with_training_data_names_the_target_from_its_poison_cluster(toy)
     assert not alone.suspected and alone.cluster_labels is None
     spared = detect(clean, test, train_data=poisoned, images=100)
     assert not spared.suspected and spared.cluster_labels == []
+    with pytest.MonkeyPatch.context() as mp:  # a sample of each label: random, so the poison (stored after
+        mp.setattr("pbe.detection.ISOLATION_PER_LABEL", 100)  # label 0's clean images) is in it
+        sampled = detect(model, test, train_data=poisoned, images=100)
+    assert sampled.cluster_labels == [TARGET]
 
 
 def test_isolate_named_uses_the_cluster_of_a_named_target_and_only_that(toy):
