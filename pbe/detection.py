@@ -70,9 +70,10 @@ WARP_GRID = 4  # its control grid (size x size displacements)
 PER_IMAGE_STEPS = 10
 PER_IMAGE_SHARE = 0.5  # of the held-out images (its cost: 10 steps x C labels x that many images)
 # bumped whenever the statistic changes, so that results tables re-measure rows made by an older one
-METHOD = "6: universal L2 + universal warp + train-test gap, MAD floored at 2 binomial SEs; activation clusters"
+METHOD = "7: universal L2 + universal warp + train-test gap, MAD floored at 2 binomial SEs; activation clusters"
 ALPHA = 0.01  # p-value below which a backdoor is suspected
 ISOLATION_PER_LABEL = 500  # training images per label the activation clusters are measured on
+ISOLATION_HELD_OUT = 128  # images each candidate cluster's trigger is measured on (pbe.isolation: 256)
 GAP_UNIT = 0.02  # accuracy gaps are scored in these units (MAD floor 1 = a 2-point spread between labels)
 
 
@@ -252,7 +253,7 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
         sample = torch.cat([order[train_data.labels[order] == c][:ISOLATION_PER_LABEL] for c in range(k)])
         if any(isinstance(m, nn.Linear) for m in model.modules()):
             iso, passes = isolate(model, train_data.images[sample], train_data.labels[sample],
-                                  penultimate(model, train_data.images[sample]), gen, seed)
+                                  penultimate(model, train_data.images[sample]), gen, seed, ISOLATION_HELD_OUT)
             fw += len(sample) + passes
     # the most significant statistic decides, its p-value Bonferroni-corrected for how many were tried
     evidence, (top, z, p) = min(tests.items(), key=lambda kv: kv[1][2])

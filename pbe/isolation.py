@@ -113,16 +113,19 @@ def _split(features: np.ndarray, seed: int) -> tuple[np.ndarray, float]:
     return assign, float(silhouette_score(reduced[sub], assign[sub]))
 
 
-def fooling_rate(model: nn.Module, trigger: EstimatedTrigger, images: torch.Tensor) -> float:
-    """Share of uint8 `images` whose prediction the trigger changes."""
+def fooling_rate(model: nn.Module, trigger: EstimatedTrigger, images: torch.Tensor,
+                 clean_pred: torch.Tensor | None = None) -> float:
+    """Share of uint8 `images` whose prediction the trigger changes (`clean_pred`: their predictions, if known)."""
     x = images.float() / 255
-    return float((predict(model, trigger.apply(x)) != predict(model, x)).float().mean())
+    clean_pred = predict(model, x) if clean_pred is None else clean_pred
+    return float((predict(model, trigger.apply(x)) != clean_pred).float().mean())
 
 
 def isolate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, features: torch.Tensor,
-            gen: torch.Generator, seed: int = 0) -> tuple[Isolation, int]:
+            gen: torch.Generator, seed: int = 0, held_out: int = HELD_OUT) -> tuple[Isolation, int]:
     """Suspected poison among the training samples (module docstring), and the images it ran the model on
-    (``forward`` passes, for the cost). `features`: the model's penultimate features of `images`."""
+    (``forward`` passes, for the cost). `features`: the model's penultimate features of `images`;
+    `held_out`: images of other labels each candidate trigger is measured on."""
     k = int(labels.max()) + 1
     feats = features.numpy()
     suspected = torch.zeros(len(labels), dtype=torch.bool)
@@ -138,12 +141,14 @@ def isolate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, featur
             continue
         others = (labels != c).nonzero().flatten()
         others = others[torch.randperm(len(others), generator=gen)]
-        reference, held = images[others[HELD_OUT:HELD_OUT + REFERENCE_SAMPLES]], images[others[:HELD_OUT]]
+        reference, held = images[others[held_out:held_out + REFERENCE_SAMPLES]], images[others[:held_out]]
+        held_pred = predict(model, held)
         rates = []
         for part in (0, 1):
             members = idx[torch.from_numpy(assign == part)]
-            rates.append(round(fooling_rate(model, EstimatedTrigger.estimate(images[members], reference), held), 4))
-            passes += 2 * len(held)
+            trigger = EstimatedTrigger.estimate(images[members], reference)
+            rates.append(round(fooling_rate(model, trigger, held, held_pred), 4))
+        passes += 3 * len(held)
         fooling[c] = rates
         best = int(np.argmax(rates))
         if rates[best] >= MIN_FOOLING and rates[best] - rates[1 - best] >= MIN_MARGIN:
@@ -156,7 +161,7 @@ def isolate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, featur
             clean = ~suspected
         pool = clean.nonzero().flatten()
         pool = pool[torch.randperm(len(pool), generator=gen)]
-        iso.trigger = EstimatedTrigger.estimate(images[suspected], images[pool[HELD_OUT:HELD_OUT + REFERENCE_SAMPLES]])
-        iso.trigger_fooling = round(fooling_rate(model, iso.trigger, images[pool[:HELD_OUT]]), 4)
-        passes += 2 * min(HELD_OUT, len(pool))
+        iso.trigger = EstimatedTrigger.estimate(images[suspected], images[pool[held_out:held_out + REFERENCE_SAMPLES]])
+        iso.trigger_fooling = round(fooling_rate(model, iso.trigger, images[pool[:held_out]]), 4)
+        passes += 2 * min(held_out, len(pool))
     return iso, passes
