@@ -40,6 +40,28 @@ def built_zoo_models(zoo_set: str = "dev", dataset: str = "cifar10", only: list[
             print(f"skip {entry.name}: not built yet")
 
 
+def add_zoo_args(ap) -> None:
+    """``--set``, ``--dataset`` and ``--only``: which zoo models a per-model table covers."""
+    ap.add_argument("--set", choices=zoo.SETS, dest="zoo_set", help="one zoo set (default: both)")
+    ap.add_argument("--dataset", help="one dataset (default: all)")
+    ap.add_argument("--only", nargs="*", help="zoo names, their last part, or attacks")
+
+
+def selected_zoo_models(args):
+    """The built zoo entries ``add_zoo_args``' arguments select, of every set and dataset, saying which
+    are skipped because they are not built."""
+    for name in zoo.available(args.zoo_set):
+        entry = zoo.get(name)
+        if args.dataset and entry.dataset != args.dataset:
+            continue
+        if args.only and not {name, name.split("/")[-1], entry.attack} & set(args.only):
+            continue
+        if not zoo.is_built(name):
+            print(f"skip {name}: not built yet", flush=True)
+            continue
+        yield entry
+
+
 def zoo_source(entry: zoo.Entry) -> Path | None:
     """The committed zoo folder of an entry, relative to the repository root; None when not built
     (said on the console, so that a run before the zoo is complete does what it can)."""

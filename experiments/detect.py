@@ -14,7 +14,7 @@ import math
 import time
 
 import torch
-from common import HERE, same_zoo_model, zoo_cell
+from common import HERE, add_zoo_args, same_zoo_model, selected_zoo_models, zoo_cell
 from sklearn.metrics import roc_auc_score
 
 from pbe import zoo
@@ -82,9 +82,7 @@ class DetectTable(ResultsTable):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--set", choices=zoo.SETS, dest="zoo_set", help="one zoo set (default: both)")
-    ap.add_argument("--dataset", help="one dataset (default: all)")
-    ap.add_argument("--only", nargs="*", help="zoo names, their last part, or attacks")
+    add_zoo_args(ap)
     ap.add_argument("--split", choices=("test+train", "test", "train"), default="test+train",
                     help="the defender's data: the test set and the labelled, possibly poisoned training set "
                     "(default), the test set only, or the training set only")
@@ -92,15 +90,8 @@ def main() -> None:
     args = ap.parse_args()
     table = DetectTable(HERE / "results" / "detect", "Trigger-free detection on the zoo",
                         "python experiments/detect.py")
-    for name in zoo.available(args.zoo_set):
-        entry = zoo.get(name)
-        if args.dataset and entry.dataset != args.dataset:
-            continue
-        if args.only and not {name, name.split("/")[-1], entry.attack} & set(args.only):
-            continue
-        if not zoo.is_built(name):
-            print(f"skip {name}: not built yet", flush=True)
-            continue
+    for entry in selected_zoo_models(args):
+        name = entry.name
         cell = zoo_cell(entry, "detect", args.split, args.seed)  # setting: whose images the defender has
         found = table.find(**cell)
         if same_zoo_model(found, entry) and found.get("method") == METHOD:

@@ -15,7 +15,7 @@ import argparse
 import time
 
 import torch
-from common import HERE, same_zoo_model, zoo_cell
+from common import HERE, add_zoo_args, same_zoo_model, selected_zoo_models, zoo_cell
 
 from pbe import zoo
 from pbe.models import penultimate
@@ -47,22 +47,13 @@ class IsolationTable(ResultsTable):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--set", choices=zoo.SETS, dest="zoo_set", help="one zoo set (default: both)")
-    ap.add_argument("--dataset", help="one dataset (default: all)")
-    ap.add_argument("--only", nargs="*", help="zoo names, their last part, or attacks")
+    add_zoo_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     table = IsolationTable(HERE / "results" / "isolation", "Poison isolation on the zoo (training set, no clean data)",
                            "python experiments/isolation.py")
-    for name in zoo.available(args.zoo_set):
-        entry = zoo.get(name)
-        if args.dataset and entry.dataset != args.dataset:
-            continue
-        if args.only and not {name, name.split("/")[-1], entry.attack} & set(args.only):
-            continue
-        if not zoo.is_built(name):
-            print(f"skip {name}: not built yet", flush=True)
-            continue
+    for entry in selected_zoo_models(args):
+        name = entry.name
         cell = zoo_cell(entry, "isolate", "train", args.seed)
         if same_zoo_model(table.find(**cell), entry):
             print(f"skip {name}: already in the table", flush=True)
