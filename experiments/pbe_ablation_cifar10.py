@@ -34,7 +34,8 @@ T2_PGDT = replace(T2, adv_share=1 / 3, pgd=PGD_T, pgd_targeted=True)
 T3 = replace(T2, early_stop=False)
 UNI_WARP = UniversalConfig(kind="warp", eps=0.5, size=4)  # a WaNet-shaped field: 4x4 control grid, 0.5 px
 UNI_MASK = UniversalConfig(kind="mask", eps=0.01, epochs=4, batch_size=16)  # Neural Cleanse's trigger, 1 % of the pixels
-TARGETED_V3 = replace(SCHEDULES["targeted"], isolate=False)  # the default before isolation joined it
+TARGETED_V4 = replace(SCHEDULES["targeted"], relabel_all_isolated=False)  # before every isolated sample was relabelled
+TARGETED_V3 = replace(TARGETED_V4, isolate=False)  # the default before isolation joined it
 TARGETED_V2 = replace(TARGETED_V3, relabel_suspected=False)  # the default before relabelling joined it
 ORACLE = "oracle"  # variants whose name ends so are given the true target (what the erasure could do if
 #                    detection named it); they measure the erasure alone and are never a default
@@ -106,19 +107,19 @@ VARIANTS = {
     "targeted_relabel": ("the third default (2026-12-04, until isolation joined it): targeted_v2 + relabelling (t4's "
                          "lever: the target's samples the purification moved to another label, softmax >= 0.8, join "
                          "round 2 with that label); where no label is named it is targeted_v2", TARGETED_V3),
-    "targeted_isolate": ("the default (SCHEDULES['targeted']) since the evening of 2026-12-04: targeted_relabel + "
+    "targeted_isolate": ("the fourth default (evening of 2026-12-04, until relabel_all_isolated): targeted_relabel + "
                          "isolation where the scan names no target (pbe.isolation: a label's separate activation "
                          "cluster whose estimated trigger moves the model's predictions is refused, its estimated "
                          "trigger pasted on a third of every batch with the samples' own labels, and its samples "
                          "the purification moved join round 2 with their new label); where a label is named it is "
-                         "targeted_relabel", SCHEDULES["targeted"]),
+                         "targeted_relabel", TARGETED_V4),
     "isolate_named": ("targeted_isolate + the isolation also where the scan names a target: when it confirms a poison "
                       "cluster in that label, the cluster's estimated trigger replaces the optimised universal "
                       "perturbations and only the cluster is refused and relabelled",
-                      replace(SCHEDULES["targeted"], isolate_named=True)),
-    "relabel_all_isolated": ("targeted_isolate + every isolated sample (not only those round 1 moved with softmax "
-                             ">= 0.8) joins round 2 with the purified model's most likely label other than its own",
-                             replace(SCHEDULES["targeted"], relabel_all_isolated=True)),
+                      replace(TARGETED_V4, isolate_named=True)),
+    "relabel_all_isolated": ("the default (SCHEDULES['targeted']) since the end of 2026-12-04: targeted_isolate + every "
+                             "isolated sample (not only those round 1 moved with softmax >= 0.8) joins round 2 with "
+                             "the purified model's most likely label other than its own", SCHEDULES["targeted"]),
     "recal": ("targeted + the universal budget re-calibrated on the purified model before round 2 (on the "
               "generalisation model badnets_random4 round 2 raised ASR from 1.37 to 4.98 % with no poison in its "
               "subset)", replace(TARGETED_V2, recalibrate=True)),
