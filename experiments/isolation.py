@@ -33,11 +33,12 @@ class IsolationTable(ResultsTable):
                           ["zoo", "set", "attack", "target", "silhouettes (min / median / max)", "candidates",
                            "fooling (poison cluster / other)", "flagged", "suspected", "precision", "recall",
                            "epoch-eq.", "wall s", "hardware"])
+        def pct(v):
+            return "–" if v is None else f"{100 * v:.1f}"
         for r in self.rows:
             sil = sorted(r["silhouettes"])
             fool = "; ".join(f"{k}: {max(v):.2f} / {min(v):.2f}" for k, v in r["fooling"].items()) or "–"
             target = "all-to-all" if r["all_to_all"] else ("–" if r["target"] is None else r["target"])
-            pct = (lambda v: "–" if v is None else f"{100 * v:.1f}")
             lines.append(f"| {r['zoo']} | {r['zoo_set']} | {r['attack']} | {target} | {sil[0]:.2f} / "
                          f"{sil[len(sil) // 2]:.2f} / {sil[-1]:.2f} | {len(r['fooling'])} | {fool} | "
                          f"{', '.join(map(str, r['flagged'])) or '–'} | {r['suspected']} | {pct(r['precision'])} | "

@@ -57,7 +57,7 @@ import torch.nn as nn
 from pbe.adversarial import PGDConfig, UniversalConfig, apply_universal, pgd, universal_perturbation
 from pbe.isolation import isolate
 from pbe.metrics import predict
-from pbe.models import penultimate
+from pbe.models import has_linear_head, penultimate
 from pbe.utils import PBEError
 
 SCAN_L2_RMS = 1.0 / math.sqrt(3 * 32 * 32)  # L2 norm 1 on a CIFAR-10 image (dev-set choice)
@@ -251,7 +251,7 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
         gap = [round(float(v), 4) for v in g]
         order = torch.randperm(len(train_data), generator=gen)  # a random sample: poison may sit anywhere
         sample = torch.cat([order[train_data.labels[order] == c][:ISOLATION_PER_LABEL] for c in range(k)])
-        if any(isinstance(m, nn.Linear) for m in model.modules()):
+        if has_linear_head(model):
             iso, passes = isolate(model, train_data.images[sample], train_data.labels[sample],
                                   penultimate(model, train_data.images[sample]), gen, seed, ISOLATION_HELD_OUT)
             fw += len(sample) + passes

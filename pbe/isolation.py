@@ -156,8 +156,8 @@ def isolate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, featur
             suspected[idx[torch.from_numpy(assign == best)]] = True
     iso = Isolation(silhouettes, flagged, fooling, suspected)
     if suspected.any():
-        clean = ~suspected & ~torch.isin(labels, torch.tensor(flagged)) if len(flagged) < k else ~suspected
-        if not clean.any():
+        clean = ~suspected & ~torch.isin(labels, torch.tensor(flagged))  # reference: labels without poison,
+        if not clean.any():  # or, when every label has some (all-to-all), the unsuspected samples
             clean = ~suspected
         pool = clean.nonzero().flatten()
         pool = pool[torch.randperm(len(pool), generator=gen)]

@@ -215,12 +215,16 @@ def capture(model: nn.Module, layers: Iterable[str | nn.Module], inputs: bool = 
             h.remove()
 
 
+def has_linear_head(model: nn.Module) -> bool:
+    """Whether ``last_linear`` (and so ``penultimate``) has a layer to read."""
+    return any(isinstance(m, nn.Linear) for m in model.modules())
+
+
 def last_linear(model: nn.Module) -> nn.Linear:
     """The model's last ``nn.Linear`` (its classification head, for the models of this toolkit)."""
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    if not linears:
+    if not has_linear_head(model):
         raise PBEError("the model has no nn.Linear head to read penultimate features from")
-    return linears[-1]
+    return [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ from pbe.detection import SCAN_L2_RMS, WARP_GRID, WARP_SHIFT, detect
 from pbe.defenses.base import Context, Defense, Evaluation, measure, sgd_finetune
 from pbe.isolation import EstimatedTrigger, isolate
 from pbe.metrics import predict, ranking_quality
-from pbe.models import penultimate
+from pbe.models import has_linear_head, penultimate
 from pbe.utils import PBEError
 
 
@@ -232,11 +232,10 @@ class AdversarialBatches:
                                x[n_adv:]])
                 self.ctx.cost.forward_backward += n_adv * s.pgd.steps
             self.done += 1
-        if self.trigger is not None and s.universal_share > 0:
-            end = min(len(x), n_adv + round(s.universal_share * len(x)))
+        end = min(len(x), n_adv + round(s.universal_share * len(x)))  # the universal share follows the PGD one
+        if self.trigger is not None:
             x = torch.cat([x[:n_adv], self.trigger.apply(x[n_adv:end]), x[end:]])
         elif self.deltas:  # the batch is shuffled: any slice is a random share; one part per family
-            end = min(len(x), n_adv + round(s.universal_share * len(x)))
             bounds = torch.linspace(n_adv, end, len(self.deltas) + 1).round().long().tolist()
             parts = [apply_universal(x[a:b], delta, cfg, self.ctx.gen)
                      for a, b, delta, cfg in zip(bounds, bounds[1:], self.deltas, s.universals)]
@@ -372,7 +371,7 @@ class PBE(Defense):
         n, ev = len(data), ctx.evaluation
         original = copy.deepcopy(model).eval()
         feats = None
-        if s.isolate and any(isinstance(m, nn.Linear) for m in original.modules()):
+        if s.isolate and has_linear_head(original):
             feats, z0 = penultimate(original, data.images, device=ctx.device, with_logits=True)  # the same logits
         else:
             z0 = predict(original, data.images, return_logits=True)
@@ -405,8 +404,7 @@ class PBE(Defense):
                 report["isolation"] = iso.as_dict()
                 if target is not None:  # a named target: only a poison cluster of that label counts
                     iso.suspected &= data.labels == target
-                    iso = iso if target in iso.flagged else None
-                iso = iso if iso is not None and iso.suspected.any() else None
+                iso = iso if iso.suspected.any() else None
         # the samples PBE distrusts: the suspected target's, or the isolated poison
         suspect = iso.suspected if iso is not None else None if target is None else data.labels == target
         trigger = iso.trigger if iso is not None else None
