@@ -17,6 +17,7 @@ import torch.nn as nn
 from pbe.data import ImageDataset
 from pbe.isolation import EstimatedTrigger, isolate
 from pbe.metrics import predict
+from pbe.utils import PBEError
 
 TARGET = 0
 RATE = 0.15
@@ -228,3 +229,75 @@ def test_relabel_all_isolated_gives_every_isolated_sample_another_label(toy):
     assert report["rounds"][0]["relabelled"] == suspected > 0
     second = seen[1]
     assert len(second) >= suspected and int((second.labels == TARGET).sum()) < int((poisoned.labels == TARGET).sum()) - suspected // 2
+
+
+@pytest.fixture(scope="module")
+def clean_label_toy(toy):
+    """Clean-label poison: every image of TARGET carries the corner, all labels true (SIG at 10 % on
+    CIFAR-10 poisons the whole target label): (backdoored model, clean model, training set)."""
+    model, clean, poisoned, _ = toy
+    gen = torch.Generator().manual_seed(1)
+    train = _textures(model.patterns.view(CLASSES, 1, 8, 8), gen)
+    images = train.images.clone()
+    images[train.labels == TARGET] = _corner(images[train.labels == TARGET])
+    return model, clean, ImageDataset(images, train.labels, train.classes, train.name, False)
+
+
+def test_isolate_names_a_whole_poisoned_label_and_its_trigger(clean_label_toy):
+    """No cluster to split, so the whole-label test decides: TARGET's all-sample trigger lights the
+    corner and moves the model; no sample is suspected (their labels are true); a clean model and
+    `whole_label=False` name nothing."""
+    from pbe.models import penultimate
+    model, clean, data = clean_label_toy
+    iso, _ = isolate(model, data.images, data.labels, penultimate(model, data.images), torch.Generator().manual_seed(0))
+    assert iso.flagged == [] and not iso.suspected.any()
+    assert iso.whole_label == TARGET and iso.trigger_fooling == iso.whole_fooling[TARGET] > 0.9
+    assert sorted(iso.whole_fooling)[-2] < 0.4
+    assert iso.trigger.apply(torch.zeros(1, 1, 8, 8))[0, 0, :2, :2].min() > 0.9
+    off, _ = isolate(model, data.images, data.labels, penultimate(model, data.images),
+                     torch.Generator().manual_seed(0), whole_label=False)
+    assert off.whole_label is None and off.trigger is None and off.whole_fooling is None
+    spared, _ = isolate(clean, data.images, data.labels, penultimate(clean, data.images),
+                        torch.Generator().manual_seed(0))
+    assert spared.whole_label is None and spared.trigger is None
+
+
+@pytest.mark.parametrize("mode", ["trigger", "refuse", "exclude"])
+def test_pbe_whole_label_unlearns_the_estimated_trigger_and_never_relabels(clean_label_toy, mode):
+    """`whole_label`: every batch carries the whole label's estimated trigger and the backdoor goes
+    (with "off" the same run keeps it); "refuse" also names the label the target, so round 1 has none
+    of its samples, "exclude" neither round; no sample is relabelled, since their labels are true."""
+    import pbe.defenses.pbe as defense
+    from pbe.defenses import erase
+    from pbe.demo import DIGITS_SCHEDULE
+    model, _, data = clean_label_toy
+    seen = []
+    real = defense.adversarial_finetune
+
+    def spy(m, d, epochs, adv_batches, sched, ctx, desc, target=None, trigger=None):
+        seen.append(trigger)
+        return real(m, d, epochs, adv_batches, sched, ctx, desc, target, trigger)
+    s = replace(DIGITS_SCHEDULE, adv_share=0.0, crop_padding=0, probe_size=100, universal_share=1 / 3, isolate=True,
+                relabel_suspected=True, relabel_all_isolated=True, refuse_suspected=True, early_stop=False,
+                fractions=(0.3, 0.5), epochs=(4, 2), adv_batches=(None, None), lr=0.1, whole_label=mode)
+
+    def run(schedule):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(defense, "detect", lambda *a, **k: _no_target(data.num_classes))
+            mp.setattr(defense, "adversarial_finetune", spy)
+            return erase(model, data, schedule, seed=0, progress=False)
+    purified, report = run(s)
+    assert report["isolation"]["whole_label"] == TARGET
+    assert len(seen) == 2 and all(trig is not None for trig in seen)
+    assert "relabelled" not in report["rounds"][0]
+    round1 = data.labels[report["rounds"][0]["subset_indices"]]
+    round2 = data.labels[report["rounds"][1]["subset_indices"]]
+    assert report["target"] == (None if mode == "trigger" else TARGET)
+    assert (round1 == TARGET).any() == (mode == "trigger") and (round2 == TARGET).any() == (mode != "exclude")
+    lit = _corner(data.images[(data.labels != TARGET).nonzero().flatten()]).float() / 255
+    seen.clear()
+    plain, _ = run(replace(s, whole_label="off"))
+    assert seen == [None, None]
+    with pytest.raises(PBEError, match="whole_label"):
+        replace(s, whole_label="yes")
+    assert (predict(purified, lit) == TARGET).float().mean() < 0.3 < (predict(plain, lit) == TARGET).float().mean()

@@ -31,6 +31,9 @@ from pbe.models import has_linear_head, penultimate
 from pbe.utils import PBEError
 
 
+WHOLE_LABEL_MODES = ("off", "trigger", "refuse", "exclude")
+
+
 @dataclass(frozen=True)
 class Schedule:
     """What PBE does per round t: fine-tune `epochs[t]` epochs on a subset of size `fractions[t]`
@@ -108,6 +111,9 @@ class Schedule:
     isolate: bool = False  # no target named: refuse, unlearn and relabel the isolated poison cluster
     isolate_named: bool = False  # isolate also where a target is named (a cluster of that label then decides)
     relabel_all_isolated: bool = False  # every isolated sample joins round 2 with its best other label
+    whole_label: str = "off"  # isolation's whole poisoned label (clean-label): "trigger" unlearns its estimated
+    #                           trigger; "refuse" also names it the target (its samples out of round 1);
+    #                           "exclude": its samples out of every round
     recalibrate: bool = False  # universal_reach: re-calibrate the budget on the purified model before each round
     scan_l2_rms: float = SCAN_L2_RMS  # the detection scan's budget (``pbe.detection``)
 
@@ -128,6 +134,8 @@ class Schedule:
                            f"{self.universal_share}")
         if not 0 <= self.universal_reach <= 1:
             raise PBEError(f"universal_reach must be in [0, 1], got {self.universal_reach}")
+        if self.whole_label not in WHOLE_LABEL_MODES:
+            raise PBEError(f"schedule whole_label must be one of {WHOLE_LABEL_MODES}, got {self.whole_label!r}")
         if self.universal is not None and self.adv_share + self.universal_share > 1:
             raise PBEError("adv_share + universal_share must be <= 1 (they are disjoint parts of a batch)")
 
@@ -393,21 +401,25 @@ class PBE(Defense):
             target = scan.top_label if from_scan else target
             flagged = scan.suspected and scan.label == target  # evidence that early stop can watch
         report["target"] = target
-        iso = None
+        iso, trigger, whole = None, None, False
         if s.isolate and (target is None or s.isolate_named):
             if feats is None:
                 report["isolation"] = "skipped: the model has no nn.Linear head to read features from"
             else:  # its own generator: a run where nothing is isolated draws exactly as without this lever
                 iso, passes = isolate(original, data.images, data.labels, feats,
-                                      torch.Generator().manual_seed(ctx.seed), ctx.seed)
+                                      torch.Generator().manual_seed(ctx.seed), ctx.seed,
+                                      whole_label=s.whole_label != "off" and target is None)
                 ctx.cost.forward += passes
                 report["isolation"] = iso.as_dict()
                 if target is not None:  # a named target: only a poison cluster of that label counts
                     iso.suspected &= data.labels == target
+                trigger = iso.trigger if iso.suspected.any() or iso.whole_label is not None else None
+                whole = iso.whole_label is not None
+                if whole and s.whole_label in ("refuse", "exclude"):  # true labels: refused, never relabelled
+                    target = report["target"] = iso.whole_label
                 iso = iso if iso.suspected.any() else None
         # the samples PBE distrusts: the suspected target's, or the isolated poison
         suspect = iso.suspected if iso is not None else None if target is None else data.labels == target
-        trigger = iso.trigger if iso is not None else None
         if s.family_from_scan and (flagged or from_scan) and scan.evidence in SCAN_FAMILIES:
             kept = tuple(c for c in s.universals if c.kind in SCAN_FAMILIES[scan.evidence])
             if kept:
@@ -462,11 +474,12 @@ class PBE(Defense):
                     stopped = True
                     break
             if t + 1 < len(s.fractions):
-                if iso is None and s.refuse_suspected and target is not None:  # out unless the model still says so
+                readmit = not (whole and s.whole_label == "exclude")
+                if iso is None and s.refuse_suspected and target is not None and readmit:  # unless the model says so
                     allowed = (data.labels != target) | (z.argmax(1) == target)
                 subset = least_suspicious(suspicion.masked_fill(~allowed, float("inf")), data.labels,
                                           s.fractions[t + 1], s.balanced)
-                if s.relabel_suspected and suspect is not None:
+                if s.relabel_suspected and suspect is not None and not whole:
                     prob, pred = z.softmax(1).max(1)
                     moved = suspect & (pred != data.labels) & (prob >= RELABEL_CONFIDENCE)
                     labels = data.labels.clone()
