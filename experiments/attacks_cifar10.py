@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 
-from common import HERE, zoo_models
+from common import RESULTS, TrainedTable, zoo_models
 
 from pbe import zoo
-from pbe.results import ResultsTable
 
 def clean_reference(entry: zoo.Entry) -> dict | None:
     """The row of a built clean zoo model of the same architecture, the dev set's first."""
@@ -23,6 +22,12 @@ def clean_reference(entry: zoo.Entry) -> dict | None:
     return zoo.row(clean[0].name) if clean else None
 
 
+def results_table() -> TrainedTable:
+    """This script's table (``experiments/render.py`` re-renders it)."""
+    return TrainedTable(RESULTS / "attacks_cifar10", "Infected CIFAR-10 models (the zoo)",
+                        "python experiments/attacks_cifar10.py [--build]")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", default=None, choices=("dev", "generalisation"), dest="zoo_set",
@@ -30,8 +35,7 @@ def main() -> None:
     ap.add_argument("--build", action="store_true", help="train zoo models that are missing first")
     ap.add_argument("--only", nargs="*", help="zoo names or attacks")
     args = ap.parse_args()
-    table = ResultsTable(HERE / "results" / "attacks_cifar10", "Infected CIFAR-10 models (the zoo)",
-                         "python experiments/attacks_cifar10.py [--build]")
+    table = results_table()
     entries = zoo_models(args.zoo_set, "cifar10", args.only, infected=False)
     for entry in entries:
         if args.build:

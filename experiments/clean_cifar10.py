@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import argparse
 
-from common import HERE, RUNS, run_cell, trained_row
+from common import RESULTS, RUNS, TrainedTable, run_cell, trained_row
 
-from pbe.results import ResultsTable
+
+
+def results_table() -> TrainedTable:
+    """This script's table (``experiments/render.py`` re-renders it)."""
+    return TrainedTable(RESULTS / "clean_cifar10", "Clean CIFAR-10 models",
+                        "python experiments/clean_cifar10.py")
 
 
 def main() -> None:
@@ -19,8 +24,7 @@ def main() -> None:
     ap.add_argument("--recipes", nargs="+", default=["quick", "cpu"])
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    table = ResultsTable(HERE / "results" / "clean_cifar10", "Clean CIFAR-10 models",
-                         "python experiments/clean_cifar10.py")
+    table = results_table()
     for recipe in args.recipes:
         cell = dict(dataset="cifar10", model="preact_resnet18(width=16)", recipe=recipe, attack="none", rate=0.0,
                     target=None, all_to_all=False, defense="none", setting=None, seed=args.seed)

@@ -5,14 +5,20 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 from pbe import zoo
+from pbe.results import ResultsTable, fixed, pct, target_cell
 from pbe.utils import toolkit_version
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-RUNS = Path("runs")  # relative to the repository root, where every cell's command runs
+# where rows and run folders go: results/ beside the scripts and runs/ (relative to the repository root,
+# where every cell's command runs), unless PBE_RESULTS / PBE_RUNS name other folders (tests; a cluster's
+# shared disk)
+RESULTS = Path(os.environ.get("PBE_RESULTS", HERE / "results"))
+RUNS = Path(os.environ.get("PBE_RUNS", "runs"))
 
 
 def zoo_models(zoo_set: str = "dev", dataset: str = "cifar10", only: list[str] | None = None,
@@ -90,10 +96,18 @@ def same_zoo_model(row: dict | None, entry: zoo.Entry) -> bool:
     return bool(row) and row.get("zoo_sha256") == zoo.row(entry.name)["sha256"]
 
 
+def _die_with_parent() -> None:
+    """Linux: the command dies with the process that started it (a killed Ray worker leaves no orphan
+    writing into the run folder that the retried cell runs again)."""
+    import ctypes
+    import signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def run_cell(cmd: list[str], out: Path) -> dict:
     """Run a ``pbe ...`` command that writes ``out/metrics.json``; return those metrics + the command."""
     print("$", shlex.join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    subprocess.run(cmd, check=True, cwd=ROOT, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     return {**json.loads((ROOT / out / "metrics.json").read_text()), "command": shlex.join(cmd)}
 
 
@@ -109,11 +123,41 @@ def trained_row(cell: dict, m: dict, out: Path) -> dict:
             "train_log": [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []}
 
 
-def defence_row(cell: dict, command: str, report: dict, entry: zoo.Entry, **extra) -> dict:
-    """A RESULTS.md row from a defence report (``report.json`` of ``pbe erase`` / ``pbe defend``)."""
+def defence_row(cell: dict, command: str, report: dict, entry: zoo.Entry | None, **extra) -> dict:
+    """A RESULTS.md row from a defence report (``report.json`` of ``pbe erase`` / ``pbe defend``); on a
+    zoo `entry`, with the sha256 of the weights it started from."""
     b, a = report["before"], report["after"]
     return {**cell, "acc": a["acc"], "asr": a["asr"], "ra": a["ra"], "acc_before": b["acc"],
             "asr_before": b["asr"], "ra_before": b["ra"], "der": report.get("der"),
             "detection": report.get("detection"), "wall_s": report["wall_s"],
             "epoch_equivalents": report["epoch_equivalents"], "command": command, "hardware": report["hardware"],
-            "toolkit_version": toolkit_version(), "zoo_sha256": zoo.row(entry.name)["sha256"], **extra}
+            "toolkit_version": toolkit_version(),
+            **({} if entry is None else {"zoo_sha256": zoo.row(entry.name)["sha256"]}), **extra}
+
+
+class TrainedTable(ResultsTable):
+    """Trained models (clean or infected): what they reach and what training cost."""
+
+    note = (" (cells with a row are skipped). Values in %, from the JSON beside this file; ACC drop: against the clean "
+            "model of the same set and architecture.")
+
+    def columns(self):
+        return [("zoo", lambda r: r.get("zoo") or "–"), ("recipe", lambda r: r["recipe"]), ("attack", lambda r: r["attack"]),
+                ("rate", lambda r: pct(r["rate"], 0)), ("target", target_cell), ("seed", lambda r: str(r["seed"])),
+                ("ACC", lambda r: pct(r["acc"])), ("ASR", lambda r: pct(r["asr"])), ("RA", lambda r: pct(r["ra"])),
+                ("ACC drop", lambda r: fixed(None if r.get("acc_drop_vs_clean") is None else 100 * r["acc_drop_vs_clean"])),
+                ("epochs", lambda r: fixed(r.get("epoch_equivalents"), 0)), ("wall s", lambda r: fixed(r["wall_s"], 0))]
+
+
+class DefenceTable(ResultsTable):
+    """Defence rows (before / after), with a figure of ASR and ACC drop per model and defence."""
+
+    def figure(self):
+        from pbe.plots import defence_bars
+        return defence_bars([r for r in self.rows if not r["all_to_all"]] or self.rows, defence_name)
+
+
+def defence_name(r: dict) -> str:
+    """A defence as the figures name it: the PBE schedule beside it (``pbe (targeted)``)."""
+    schedule = r.get("schedule") or (r.get("params") or {}).get("schedule")
+    return f"{r['defense']} ({schedule})" if schedule and schedule != r["defense"] else r["defense"]

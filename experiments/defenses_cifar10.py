@@ -19,10 +19,11 @@ import argparse
 import json
 from statistics import mean
 
-from common import HERE, ROOT, RUNS, data_args, defence_row, run_cell, same_zoo_model, zoo_cell, zoo_models, zoo_source
+from common import (
+    RESULTS, DefenceTable, HERE, ROOT, RUNS, data_args, defence_row, run_cell, same_zoo_model, zoo_cell, zoo_models,
+    zoo_source)
 
 from pbe import defenses
-from pbe.results import ResultsTable
 
 ATTACKS = ["badnets", "blend", "sig", "wanet", "input_aware"]  # column order of the summary
 
@@ -122,7 +123,7 @@ def summary_by_model(rows: list[dict]) -> str:
 
 def copy_pbe_row(cell: dict) -> dict | None:
     """The PBE / AFT row of pbe_cifar10.json for the same cell (same zoo model, same defence seed)."""
-    path = HERE / "results" / "pbe_cifar10.json"
+    path = RESULTS / "pbe_cifar10.json"
     if not path.exists():
         return None
     keys = {k: v for k, v in cell.items() if k != "schedule"}
@@ -133,6 +134,12 @@ def copy_pbe_row(cell: dict) -> dict | None:
     return None
 
 
+def results_table() -> DefenceTable:
+    """This script's table (``experiments/render.py`` re-renders it)."""
+    return DefenceTable(RESULTS / "defenses_cifar10", "Defences side by side on infected CIFAR-10 models",
+                        "python experiments/defenses_cifar10.py", footer=summary_by_model)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", default="dev", choices=("dev", "generalisation"), dest="zoo_set")
@@ -141,8 +148,7 @@ def main() -> None:
     ap.add_argument("--paper-budget", action="store_true", help="the defences' own defaults (GPU-sized)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the defence")
     args = ap.parse_args()
-    table = ResultsTable(HERE / "results" / "defenses_cifar10", "Defences side by side on infected CIFAR-10 models",
-                         "python experiments/defenses_cifar10.py", footer=summary_by_model)
+    table = results_table()
     for entry in zoo_models(args.zoo_set, "cifar10", args.only):
         src = zoo_source(entry)
         if src is None:

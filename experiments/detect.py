@@ -14,12 +14,12 @@ import math
 import time
 
 import torch
-from common import HERE, add_zoo_args, same_zoo_model, selected_zoo_models, zoo_cell
+from common import RESULTS, add_zoo_args, same_zoo_model, selected_zoo_models, zoo_cell
 from sklearn.metrics import roc_auc_score
 
 from pbe import zoo
 from pbe.detection import ALPHA, METHOD, detect
-from pbe.results import ResultsTable
+from pbe.results import ResultsTable, fixed, target_cell
 from pbe.utils import hardware_string, toolkit_version
 
 
@@ -49,35 +49,41 @@ def _method(row: dict) -> str:
 
 
 class DetectTable(ResultsTable):
-    def markdown(self) -> str:
-        lines = [f"# {self.title}", "", f"Regenerate: `{self.regenerate}`. Score: robust z of the most reachable "
-                 f"label (pbe.detection); suspected when p < {ALPHA}. Margin: score minus the score at p = {ALPHA} "
-                 "(Bonferroni over the statistics tried). Methods: 1 universal L2 (+ gap); " + METHOD + ". "
-                 "ok: infected flagged with its target, clean not flagged.", "",
-                 "| zoo | set | data | method | attack | target | suspected | label | evidence | score | p-value | margin | "
-                 "ok | epoch-eq. | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in self.rows:
-            target = "all-to-all" if r["all_to_all"] else ("–" if r["target"] is None else r["target"])
-            label = r["label"] if r["label"] is not None else ("map" if r.get("label_map") else "–")
-            lines.append(f"| {r['zoo']} | {r['zoo_set']} | {r['setting']} | {_method(r)} | {r['attack']} | {target} | "
-                         f"{'yes' if r['suspected'] else 'no'} | {label} | {r.get('evidence', 'universal')} | "
-                         f"{r['score']:.2f} | {r['p_value']:.2g} | "
-                         f"{r['margin']:+.2f} | {'yes' if verdict_ok(r) else '**no**'} | "
-                         f"{r['epoch_equivalents']:.2f} | {r['wall_s']:.0f} |")
+    note = (f". Score: robust z of the most reachable label (pbe.detection); suspected when p < {ALPHA}. Margin: "
+            f"score minus the score at p = {ALPHA} (Bonferroni over the statistics tried). Methods: 1 universal L2 "
+            f"(+ gap); {METHOD}. ok: infected flagged with its target, clean not flagged.")
+
+    def columns(self):
+        def label(r):
+            return str(r["label"]) if r["label"] is not None else ("map" if r.get("label_map") else "–")
+        return [("zoo", lambda r: r["zoo"]), ("set", lambda r: r["zoo_set"]), ("data", lambda r: r["setting"]),
+                ("method", _method), ("attack", lambda r: r["attack"]), ("target", target_cell),
+                ("suspected", lambda r: "yes" if r["suspected"] else "no"), ("label", label),
+                ("evidence", lambda r: r.get("evidence", "universal")), ("score", lambda r: fixed(r["score"])),
+                ("p-value", lambda r: f"{r['p_value']:.2g}"), ("margin", lambda r: f"{r['margin']:+.2f}"),
+                ("ok", lambda r: "yes" if verdict_ok(r) else "**no**"),
+                ("epoch-eq.", lambda r: fixed(r["epoch_equivalents"])), ("wall s", lambda r: fixed(r["wall_s"], 0))]
+
+    def summary(self) -> str:
         def group(r):  # rows compare only within one dataset, set, data and detection method
             return r["dataset"], r["zoo_set"], r["setting"], _method(r)
+        lines = []
         for key in sorted({group(r) for r in self.rows}):
             dataset, zoo_set, split, method = key
             rows = [r for r in self.rows if group(r) == key]
             infected = torch.tensor([r["attack"] != "none" for r in rows])
             scores = torch.tensor([r["score"] for r in rows])
             auc = roc_auc_score(infected.numpy(), scores.numpy()) if 0 < int(infected.sum()) < len(rows) else None
-            lines += ["", f"{dataset} {zoo_set}, {split} data, method {method}: {sum(verdict_ok(r) for r in rows)} of "
-                      f"{len(rows)} verdicts right; ROC-AUC "
-                      f"of the score, infected vs clean: {'–' if auc is None else f'{auc:.3f}'}; mean cost "
-                      f"{sum(r['epoch_equivalents'] for r in rows) / len(rows):.2f} epoch-equivalents."]
-        lines += ["", "Hardware, command, seed, rates per label and label maps are in the JSON."]
-        return "\n".join(lines) + "\n"
+            lines.append(f"- {dataset} {zoo_set}, {split} data, method {method}: {sum(verdict_ok(r) for r in rows)} "
+                         f"of {len(rows)} verdicts right; ROC-AUC of the score, infected vs clean: {fixed(auc, 3)}; "
+                         f"mean cost {sum(r['epoch_equivalents'] for r in rows) / len(rows):.2f} epoch-equivalents.")
+        return "\n".join(lines)
+
+
+def results_table() -> DetectTable:
+    """This script's table (``experiments/render.py`` re-renders it)."""
+    return DetectTable(RESULTS / "detect", "Trigger-free detection on the zoo",
+                       "python experiments/detect.py")
 
 
 def main() -> None:
@@ -88,8 +94,7 @@ def main() -> None:
                     "(default), the test set only, or the training set only")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    table = DetectTable(HERE / "results" / "detect", "Trigger-free detection on the zoo",
-                        "python experiments/detect.py")
+    table = results_table()
     for entry in selected_zoo_models(args):
         name = entry.name
         cell = zoo_cell(entry, "detect", args.split, args.seed)  # setting: whose images the defender has

@@ -15,35 +15,48 @@ import argparse
 import time
 
 import torch
-from common import HERE, add_zoo_args, same_zoo_model, selected_zoo_models, zoo_cell
+from common import RESULTS, add_zoo_args, same_zoo_model, selected_zoo_models, zoo_cell
 
 from pbe import zoo
 from pbe.models import penultimate
 from pbe.isolation import MIN_FOOLING, MIN_MARGIN, SILHOUETTE_MIN, isolate
-from pbe.results import ResultsTable
+from pbe.results import ResultsTable, fixed, pct, target_cell
 from pbe.utils import hardware_string, toolkit_version
 
 
 class IsolationTable(ResultsTable):
-    def markdown(self) -> str:
-        lines = self.head(f". Candidate labels: silhouette >= {SILHOUETTE_MIN}; flagged when a cluster's estimated "
-                          f"trigger moves >= {MIN_FOOLING:.0%} of held-out images of other labels and {MIN_MARGIN:.0%} "
-                          "more than the other cluster's. Precision / recall: of the suspected samples against the "
-                          "poison indices (%).",
-                          ["zoo", "set", "attack", "target", "silhouettes (min / median / max)", "candidates",
-                           "fooling (poison cluster / other)", "flagged", "suspected", "precision", "recall",
-                           "epoch-eq.", "wall s", "hardware"])
-        def pct(v):
-            return "–" if v is None else f"{100 * v:.1f}"
-        for r in self.rows:
+    note = (f". Candidate labels: silhouette >= {SILHOUETTE_MIN}; flagged when a cluster's estimated trigger moves >= "
+            f"{MIN_FOOLING:.0%} of held-out images of other labels and {MIN_MARGIN:.0%} more than the other cluster's. "
+            "Whole label: where no cluster is flagged, a label whose all-sample trigger moves >= "
+            f"{MIN_FOOLING:.0%}, {MIN_MARGIN:.0%} more than the next label's (rows made before that test: –). "
+            "Precision / recall: of the suspected samples against the poison indices (%).")
+
+    def columns(self):
+        def silhouettes(r):
             sil = sorted(r["silhouettes"])
-            fool = "; ".join(f"{k}: {max(v):.2f} / {min(v):.2f}" for k, v in r["fooling"].items()) or "–"
-            target = "all-to-all" if r["all_to_all"] else ("–" if r["target"] is None else r["target"])
-            lines.append(f"| {r['zoo']} | {r['zoo_set']} | {r['attack']} | {target} | {sil[0]:.2f} / "
-                         f"{sil[len(sil) // 2]:.2f} / {sil[-1]:.2f} | {len(r['fooling'])} | {fool} | "
-                         f"{', '.join(map(str, r['flagged'])) or '–'} | {r['suspected']} | {pct(r['precision'])} | "
-                         f"{pct(r['recall'])} | {r['epoch_equivalents']:.2f} | {r['wall_s']:.0f} | {r['hardware']} |")
-        return "\n".join(lines) + "\n\nPer-label silhouettes and fooling rates, commands and seeds are in the JSON.\n"
+            return f"{sil[0]:.2f} / {sil[len(sil) // 2]:.2f} / {sil[-1]:.2f}"
+
+        def whole(r):
+            rates = r.get("whole_fooling")
+            if rates is None:
+                return "–"
+            top = sorted(rates, reverse=True)
+            return f"{'–' if r['whole_label'] is None else r['whole_label']} ({top[0]:.2f} / {top[1]:.2f})"
+        return [("zoo", lambda r: r["zoo"]), ("set", lambda r: r["zoo_set"]), ("attack", lambda r: r["attack"]),
+                ("target", target_cell), ("silhouettes (min / median / max)", silhouettes),
+                ("candidates", lambda r: str(len(r["fooling"]))),
+                ("fooling (poison cluster / other)",
+                 lambda r: "; ".join(f"{k}: {max(v):.2f} / {min(v):.2f}" for k, v in r["fooling"].items()) or "–"),
+                ("flagged", lambda r: ", ".join(map(str, r["flagged"])) or "–"),
+                ("whole label (its fooling / next)", whole), ("suspected", lambda r: str(r["suspected"])),
+                ("precision", lambda r: pct(r["precision"], 1)), ("recall", lambda r: pct(r["recall"], 1)),
+                ("epoch-eq.", lambda r: fixed(r["epoch_equivalents"])), ("wall s", lambda r: fixed(r["wall_s"], 0))]
+
+
+def results_table() -> IsolationTable:
+    """This script's table (``experiments/render.py`` re-renders it)."""
+    return IsolationTable(RESULTS / "isolation", "Poison isolation on the zoo (training set, no clean data)",
+                          "python experiments/isolation.py")
 
 
 def main() -> None:
@@ -51,12 +64,12 @@ def main() -> None:
     add_zoo_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    table = IsolationTable(HERE / "results" / "isolation", "Poison isolation on the zoo (training set, no clean data)",
-                           "python experiments/isolation.py")
+    table = results_table()
     for entry in selected_zoo_models(args):
         name = entry.name
         cell = zoo_cell(entry, "isolate", "train", args.seed)
-        if same_zoo_model(table.find(**cell), entry):
+        old = table.find(**cell)
+        if same_zoo_model(old, entry) and (old["flagged"] or "whole_label" in old):  # else: made before step 4
             print(f"skip {name}: already in the table", flush=True)
             continue
         z = zoo.load(name)
@@ -79,7 +92,8 @@ def main() -> None:
                    "epoch_equivalents": (len(data) + passes) / 3 / len(data),
                    "command": f"python experiments/isolation.py --only {name} --seed {args.seed}",
                    "hardware": hardware_string(), "toolkit_version": toolkit_version(), "zoo_sha256": r["sha256"]})
-        print(f"{name}: flagged {iso.flagged} suspected {int(s.sum())} precision {precision} recall {recall}",
+        print(f"{name}: flagged {iso.flagged} whole label {iso.whole_label} suspected {int(s.sum())} "
+              f"precision {precision} recall {recall}",
               flush=True)
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from common import HERE, built_zoo_models, same_zoo_model, zoo_cell
+from common import RESULTS, built_zoo_models, same_zoo_model, zoo_cell
 
 from pbe import zoo
 from pbe.adversarial import PGDConfig, UniversalConfig
 from pbe.defenses import SCHEDULES, Evaluation, erase
-from pbe.results import ResultsTable
+from pbe.results import ResultsTable, fixed, pct
 from pbe.utils import hardware_string, toolkit_version
 
 FAST = SCHEDULES["fast"]
@@ -34,7 +34,8 @@ T2_PGDT = replace(T2, adv_share=1 / 3, pgd=PGD_T, pgd_targeted=True)
 T3 = replace(T2, early_stop=False)
 UNI_WARP = UniversalConfig(kind="warp", eps=0.5, size=4)  # a WaNet-shaped field: 4x4 control grid, 0.5 px
 UNI_MASK = UniversalConfig(kind="mask", eps=0.01, epochs=4, batch_size=16)  # Neural Cleanse's trigger, 1 % of the pixels
-TARGETED_V4 = replace(SCHEDULES["targeted"], relabel_all_isolated=False)  # before every isolated sample was relabelled
+TARGETED_V5 = replace(SCHEDULES["targeted"], whole_label="off")  # before the whole-label test joined it
+TARGETED_V4 = replace(TARGETED_V5, relabel_all_isolated=False)  # before every isolated sample was relabelled
 TARGETED_V3 = replace(TARGETED_V4, isolate=False)  # the default before isolation joined it
 TARGETED_V2 = replace(TARGETED_V3, relabel_suspected=False)  # the default before relabelling joined it
 ORACLE = "oracle"  # variants whose name ends so are given the true target (what the erasure could do if
@@ -117,9 +118,23 @@ VARIANTS = {
                       "cluster in that label, the cluster's estimated trigger replaces the optimised universal "
                       "perturbations and only the cluster is refused and relabelled",
                       replace(TARGETED_V4, isolate_named=True)),
-    "relabel_all_isolated": ("the default (SCHEDULES['targeted']) since the end of 2026-12-04: targeted_isolate + every "
+    "relabel_all_isolated": ("the fifth default (end of 2026-12-04): targeted_isolate + every "
                              "isolated sample (not only those round 1 moved with softmax >= 0.8) joins round 2 with "
-                             "the purified model's most likely label other than its own", SCHEDULES["targeted"]),
+                             "the purified model's most likely label other than its own", TARGETED_V5),
+    "whole_label_trigger": ("relabel_all_isolated + where no cluster is confirmed and no label named, the isolation "
+                            "tests every label as a whole (clean-label poison: all of the target's samples carry the "
+                            "trigger); a label whose all-sample trigger estimate moves >= 50 % of held-out images, "
+                            "50 % more than the next label's, gives its estimated trigger to the universal share "
+                            "(its samples stay in, with their labels)", replace(TARGETED_V5, whole_label="trigger")),
+    "whole_label_refuse": ("whole_label_trigger + that label is named the target: its samples are out of round 1 and "
+                           "back in round 2 where the purified model still assigns them to it (never relabelled)",
+                           replace(TARGETED_V5, whole_label="refuse")),
+    "whole_label_exclude": ("whole_label_refuse, but that label's samples stay out of round 2 as well (on clean-label "
+                            "SIG, re-admitting them in round 2 raised ASR from 0.80 to 3.61 %: every one carries the "
+                            "trigger with the target label)", replace(TARGETED_V5, whole_label="exclude")),
+    "whole_label_trigger_half": ("whole_label_trigger with the estimated trigger on half of every batch (a third: "
+                                 "the target's samples, all carrying the trigger, still make it predict the target)",
+                                 replace(TARGETED_V5, whole_label="trigger", universal_share=0.5)),
     "recal": ("targeted + the universal budget re-calibrated on the purified model before round 2 (on the "
               "generalisation model badnets_random4 round 2 raised ASR from 1.37 to 4.98 % with no poison in its "
               "subset)", replace(TARGETED_V2, recalibrate=True)),
@@ -136,22 +151,28 @@ VARIANTS = {
 
 
 class AblationTable(ResultsTable):
-    def markdown(self) -> str:
-        lines = self.head(". ACC / ASR in %, no clean data. Ranking AUC: how well the final round's score separates "
-                          "poison (1 = perfect).",
-                          ["zoo", "variant", "what it changes", "ACC before", "ASR before", "ACC", "ASR", "ACC drop",
-                           "DER", "ranking AUC", "epoch-eq.", "wall s", "hardware"])
-        def pct(v, scale=100):  # a clean model has no ASR (nor DER)
-            return "–" if v is None else f"{scale * v:.{2 if scale == 100 else 3}f}"
+    note = (". ACC / ASR in %, no clean data (a clean model has no ASR). Ranking AUC: how well the final round's score "
+            "separates poison (1 = perfect). What each variant changes is listed under the table.")
+
+    def columns(self):
+        return [("zoo", lambda r: r["zoo"]), ("variant", lambda r: r["variant"]),
+                ("ACC before", lambda r: pct(r["acc_before"])), ("ASR before", lambda r: pct(r["asr_before"])),
+                ("ACC", lambda r: pct(r["acc"])), ("ASR", lambda r: pct(r["asr"])),
+                ("ACC drop", lambda r: fixed(100 * (r["acc_before"] - r["acc"]))), ("DER", lambda r: pct(r.get("der"), 1)),
+                ("ranking AUC", lambda r: fixed((r.get("detection") or {}).get("auc"), 3)),
+                ("epoch-eq.", lambda r: fixed(r["epoch_equivalents"])), ("wall s", lambda r: fixed(r["wall_s"], 0))]
+
+    def summary(self) -> str:
+        what = {}
         for r in self.rows:
-            auc = (r.get("detection") or {}).get("auc")
-            lines.append(
-                f"| {r['zoo']} | {r['variant']} | {r['what']} | {pct(r['acc_before'])} | "
-                f"{pct(r['asr_before'])} | {pct(r['acc'])} | {pct(r['asr'])} | "
-                f"{100 * (r['acc_before'] - r['acc']):.2f} | {pct(r.get('der'), 1)} | "
-                f"{'–' if auc is None else f'{auc:.3f}'} | {r['epoch_equivalents']:.2f} | {r['wall_s']:.0f} | "
-                f"{r['hardware']} |")
-        return "\n".join(lines) + "\n"
+            what.setdefault(r["variant"], r["what"])
+        return "Variants:\n\n" + "\n".join(f"- **{v}**: {w}" for v, w in what.items())
+
+
+def results_table() -> AblationTable:
+    """This script's table (``experiments/render.py`` re-renders it)."""
+    return AblationTable(RESULTS / "pbe_ablation_cifar10", "PBE ablation on the CIFAR-10 dev zoo",
+                         "python experiments/pbe_ablation_cifar10.py")
 
 
 def main() -> None:
@@ -160,8 +181,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=[v for v in VARIANTS if v != "paper"], choices=list(VARIANTS))
     ap.add_argument("--seed", type=int, default=0, help="seed of the defence")
     args = ap.parse_args()
-    table = AblationTable(HERE / "results" / "pbe_ablation_cifar10", "PBE ablation on the CIFAR-10 dev zoo",
-                          "python experiments/pbe_ablation_cifar10.py")
+    table = results_table()
     # clean models too: what the defaults cost a model that has no backdoor (ACC only)
     for entry in built_zoo_models("dev", "cifar10", args.only, infected=False):
         z = None

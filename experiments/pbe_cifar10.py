@@ -1,8 +1,10 @@
-"""PBE (no clean data, one row per schedule) and AFT (5% clean extra set) on the infected CIFAR-10
-zoo models -> experiments/results/pbe_cifar10.{json,md}. Resumable: cells with a row measured on the
-committed zoo model are skipped; a zoo model not built yet is reported and skipped.
+"""PBE (no clean data, one row per schedule) and AFT (5% clean extra set) on the infected zoo models
+of one dataset -> experiments/results/pbe_{dataset}.{json,md,csv,png} (CIFAR-10: pbe_cifar10, GTSRB:
+pbe_gtsrb). Resumable: cells with a row measured on the committed zoo model are skipped; a zoo model
+not built yet is reported and skipped. The same grid runs from ``experiments/configs/pbe_*.yaml``
+through ``reproduce.py`` (locally or on Ray).
 
-    python experiments/pbe_cifar10.py [--set dev] [--schedules fast paper] [--only badnets blend]
+    python experiments/pbe_cifar10.py [--set dev] [--dataset cifar10] [--schedules fast paper] [--only badnets]
 
 Rows carry "schedule" (the registered name; ``DEFAULT_SCHEDULE`` is pbe.erase's default) and the zoo keys.
 """
@@ -10,48 +12,78 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
-from common import HERE, ROOT, RUNS, data_args, defence_row, run_cell, same_zoo_model, zoo_cell, zoo_models, zoo_source
+from common import RESULTS, ROOT, RUNS, DefenceTable, data_args, defence_row, zoo_cell, zoo_models
+from common import run_cell as run_command
+from grid import Cell, execute
 
+from pbe import zoo
 from pbe.defenses.pbe import DEFAULT_SCHEDULE
-from pbe.results import ResultsTable
+
+CONFIG = {"set": "dev", "dataset": "cifar10", "only": None, "schedules": [DEFAULT_SCHEDULE], "aft": True, "seeds": [0]}
+DEFAULT_ESTIMATE = 3.0  # epoch-equivalents of a cell whose schedule has no row yet (the cost goal of PBE.md)
+AFT_CLEAN_FRACTION = 0.05
+
+
+def results_table(cfg: dict | None = None) -> DefenceTable:
+    """This script's table for a config's dataset (``experiments/render.py`` re-renders it)."""
+    dataset = (cfg or CONFIG)["dataset"]
+    return DefenceTable(RESULTS / f"pbe_{dataset}", f"PBE and AFT on infected {dataset} zoo models",
+                        f"python experiments/pbe_cifar10.py --dataset {dataset}")
+
+
+def cells(cfg: dict) -> list[Cell]:
+    table = results_table(cfg)
+    runs = [("pbe", "no-clean", s) for s in cfg["schedules"]] + ([("aft", "clean-extra", "aft")] if cfg["aft"] else [])
+    out = []
+    for entry in zoo_models(cfg["set"], cfg["dataset"], cfg["only"]):
+        if not zoo.is_built(entry.name):
+            print(f"skip {entry.name}: not in the zoo yet (pbe zoo build {entry.name})", flush=True)
+            continue
+        for seed in cfg["seeds"]:
+            for defense, setting, schedule in runs:
+                costs = [r["epoch_equivalents"] for r in table.rows if r.get("schedule") == schedule]
+                out.append(Cell("pbe_cifar10", f"{entry.name} {defense} {schedule} seed {seed}",
+                                zoo_cell(entry, defense, setting, seed, schedule=schedule),
+                                {"name": entry.name, "defense": defense, "schedule": schedule, "seed": seed},
+                                statistics.median(costs) if costs else DEFAULT_ESTIMATE, zoo=entry.name))
+    return out
+
+
+def run_cell(name: str, defense: str, schedule: str, seed: int) -> dict:
+    """One row: ``pbe erase`` on a zoo model (PBE with `schedule`, or AFT on 5 % clean data)."""
+    entry = zoo.get(name)
+    src = entry.folder.resolve().relative_to(ROOT)
+    setting = "no-clean" if defense == "pbe" else "clean-extra"
+    out = RUNS / "pbe_cifar10" / entry.name / f"{defense}_{schedule}_seed{seed}"
+    cmd = ["pbe", "erase", "--model", str(src), *data_args(entry), "--setting", setting,
+           "--poison-from", str(src), "--seed", str(seed), "--out", str(out), "--no-progress",
+           *(["--schedule", schedule] if defense == "pbe" else ["--clean-fraction", str(AFT_CLEAN_FRACTION)])]
+    m = run_command(cmd, out)
+    report = json.loads((ROOT / out / "report.json").read_text())
+    row = defence_row(zoo_cell(entry, defense, setting, seed, schedule=schedule), m["command"], report, entry,
+                      rounds=len(report["rounds"]), stopped_early=report.get("stopped_early"),
+                      monitor_before=report["monitor_before"]["top_kappa"],
+                      monitor_after=report["monitor_after"]["top_kappa"])
+    row["detection"] = report["rounds"][-1].get("detection")
+    print(f"{entry.name} {defense} {schedule}: acc {row['acc_before']:.4f}->{row['acc']:.4f} "
+          f"asr {row['asr_before']:.4f}->{row['asr']:.4f} ee={row['epoch_equivalents']:.2f}", flush=True)
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--set", default="dev", choices=("dev", "generalisation"), dest="zoo_set")
+    ap.add_argument("--set", default="dev", choices=zoo.SETS, dest="zoo_set")
+    ap.add_argument("--dataset", default="cifar10", help="zoo models of this dataset (default cifar10)")
     ap.add_argument("--schedules", nargs="*", default=[DEFAULT_SCHEDULE],
                     help=f"PBE schedules (default {DEFAULT_SCHEDULE}; paper: the authors')")
     ap.add_argument("--no-aft", action="store_true", help="only PBE rows")
     ap.add_argument("--only", nargs="*", help="zoo names or attacks to run")
     ap.add_argument("--seed", type=int, default=0, help="seed of the defence")
     args = ap.parse_args()
-    table = ResultsTable(HERE / "results" / "pbe_cifar10", "PBE and AFT on infected CIFAR-10 zoo models",
-                         "python experiments/pbe_cifar10.py")
-    runs = [("pbe", "no-clean", s) for s in args.schedules] + ([] if args.no_aft else [("aft", "clean-extra", "aft")])
-    for entry in zoo_models(args.zoo_set, "cifar10", args.only):
-        src = zoo_source(entry)
-        if src is None:
-            continue
-        for defense, setting, schedule in runs:
-            cell = zoo_cell(entry, defense, setting, args.seed, schedule=schedule)
-            if same_zoo_model(table.find(**cell), entry):
-                print(f"skip {entry.name} {defense} {schedule}: already in the table")
-                continue
-            out = RUNS / "pbe_cifar10" / entry.name / f"{defense}_{schedule}_seed{args.seed}"
-            cmd = ["pbe", "erase", "--model", str(src), *data_args(entry), "--setting", setting,
-                   "--poison-from", str(src), "--seed", str(args.seed), "--out", str(out), "--no-progress",
-                   *(["--schedule", schedule] if defense == "pbe" else ["--clean-fraction", "0.05"])]
-            m = run_cell(cmd, out)
-            report = json.loads((ROOT / out / "report.json").read_text())
-            row = defence_row(cell, m["command"], report, entry, rounds=len(report["rounds"]),
-                              stopped_early=report.get("stopped_early"),
-                              monitor_before=report["monitor_before"]["top_kappa"],
-                              monitor_after=report["monitor_after"]["top_kappa"])
-            row["detection"] = report["rounds"][-1].get("detection")
-            table.add(row)
-            print(f"{entry.name} {defense} {schedule}: acc {row['acc_before']:.4f}->{row['acc']:.4f} "
-                  f"asr {row['asr_before']:.4f}->{row['asr']:.4f} ee={row['epoch_equivalents']:.2f}", flush=True)
+    execute({"script": "pbe_cifar10", "set": args.zoo_set, "dataset": args.dataset, "only": args.only,
+             "schedules": args.schedules, "aft": not args.no_aft, "seeds": [args.seed]}, progress=False)
 
 
 if __name__ == "__main__":

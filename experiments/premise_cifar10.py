@@ -13,70 +13,64 @@ import argparse
 import time
 
 import torch
-from common import HERE, same_zoo_model, zoo_cell, zoo_models
+from common import RESULTS, same_zoo_model, zoo_cell, zoo_models
 
 from pbe import models, zoo
 from pbe.activations import neuron_overlap, probe_indices
 from pbe.adversarial import PAPER_PGD, adversarial_examples
 from pbe.metrics import predict
 from pbe.premise import FAMILIES, label_shares
-from pbe.results import ResultsTable
+from pbe.results import ResultsTable, target_cell
 from pbe.utils import hardware_string, toolkit_version, use_all_cpus
 
 TOP_K = 10
 
 
 class PremiseTable(ResultsTable):
-    def markdown(self) -> str:
-        labels = [f.label for f in FAMILIES]
-        lines = [f"# {self.title}", "", f"Regenerate: `{self.regenerate}`. Each cell: share (%) of the fooled "
-                 "images that land on the target / share natural confusion predicts (the clean runner-up); "
-                 "clean models: the most attracting label and its share. Neuron overlap: Jaccard of the top-"
-                 f"{TOP_K} channels at the last convolution (triggered-adversarial vs clean-adversarial).", "",
-                 "| zoo | set | attack | target | " + " | ".join(labels) + " | overlap trig-adv / clean-adv |",
-                 "|---|---|---|---|" + "---|" * len(labels) + "---|"]
-        for r in self.rows:
-            cells = []
-            for m in r["measurements"]:
+    note = (". Each cell: share (%) of the fooled images that land on the target / share natural confusion predicts "
+            "(the clean runner-up); clean models: the most attracting label and its share. Neuron overlap: Jaccard "
+            f"of the top-{TOP_K} channels at the last convolution (triggered-adversarial vs clean-adversarial).")
+
+    def columns(self):
+        def family(i):
+            def cell(r):
+                m = r["measurements"][i]
                 if m["success"] == 0:
-                    cells.append("none fooled")
-                elif m["target_share"] is None:
-                    cells.append("–" if m["top_label"] is None else f"[{m['top_label']}] {100 * m['top_share']:.0f}")
-                else:
-                    cells.append(f"**{100 * m['target_share']:.0f}** / {100 * m['expected_share']:.0f}")
+                    return "none fooled"
+                if m["target_share"] is None:
+                    return "–" if m["top_label"] is None else f"[{m['top_label']}] {100 * m['top_share']:.0f}"
+                return f"**{100 * m['target_share']:.0f}** / {100 * m['expected_share']:.0f}"
+            return cell
+
+        def overlap(r):
             ov = r.get("overlap")
-            ov_cell = "–" if not ov else f"{ov['triggered_adversarial']:.2f} / {ov['clean_adversarial']:.2f}"
-            target = "all-to-all" if r["all_to_all"] else ("–" if r["target"] is None else r["target"])
-            lines.append(f"| {r['zoo']} | {r['zoo_set']} | {r['attack']} | {target} | " + " | ".join(cells)
-                         + f" | {ov_cell} |")
-        lines += ["", "Rows: probe size, seed, wall time, epoch-equivalents, hardware and command are in the JSON."]
-        return "\n".join(lines) + "\n"
+            return "–" if not ov else f"{ov['triggered_adversarial']:.2f} / {ov['clean_adversarial']:.2f}"
+        return [("zoo", lambda r: r["zoo"]), ("set", lambda r: r["zoo_set"]), ("attack", lambda r: r["attack"]),
+                ("target", target_cell)] + [(f.label, family(i)) for i, f in enumerate(FAMILIES)] + \
+            [("overlap trig-adv / clean-adv", overlap)]
 
-
-def plot(rows: list[dict], path) -> None:
-    from pbe.plots import _plt
-    from pbe.utils import atomic_path
-    plt = _plt()
-    infected = [r for r in rows if r["attack"] != "none"]
-    if not infected:
-        return
-    labels = [f.label for f in FAMILIES]
-    fig, axes = plt.subplots(len(infected), 1, figsize=(12, 1.9 * len(infected)), squeeze=False, sharex=True)
-    for ax, r in zip(axes[:, 0], infected):
-        share = [100 * (m["target_share"] or 0) for m in r["measurements"]]
-        expected = [100 * (m["expected_share"] or 0) for m in r["measurements"]]
-        pos = range(len(labels))
-        ax.bar([p - 0.2 for p in pos], share, 0.4, label="adversarial labels on the target")
-        ax.bar([p + 0.2 for p in pos], expected, 0.4, label="natural confusion (runner-up)")
-        ax.set_ylabel("%")
-        ax.set_title(f"{r['zoo']} ({r['zoo_set']})", fontsize=9)
-        ax.set_ylim(0, 100)
-    axes[0, 0].legend(fontsize=8, loc="upper left")
-    axes[-1, 0].set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=8)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=90)
-    plt.close(fig)
+    def figure(self):
+        """Per infected model: the share of adversarial labels on the target vs natural confusion, per family."""
+        from pbe.plots import _plt
+        plt = _plt()
+        infected = [r for r in self.rows if r["attack"] != "none"]
+        if not infected:
+            return None
+        labels = [f.label for f in FAMILIES]
+        fig, axes = plt.subplots(len(infected), 1, figsize=(12, 1.9 * len(infected)), squeeze=False, sharex=True)
+        for ax, r in zip(axes[:, 0], infected):
+            share = [100 * (m["target_share"] or 0) for m in r["measurements"]]
+            expected = [100 * (m["expected_share"] or 0) for m in r["measurements"]]
+            pos = range(len(labels))
+            ax.bar([p - 0.2 for p in pos], share, 0.4, label="adversarial labels on the target")
+            ax.bar([p + 0.2 for p in pos], expected, 0.4, label="natural confusion (runner-up)")
+            ax.set_ylabel("%")
+            ax.set_title(f"{r['zoo']} ({r['zoo_set']})", fontsize=9)
+            ax.set_ylim(0, 100)
+        axes[0, 0].legend(fontsize=8, loc="upper left")
+        axes[-1, 0].set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=8)
+        fig.tight_layout()
+        return fig
 
 
 def measure(entry: zoo.Entry, probe: int, seed: int) -> dict:
@@ -111,6 +105,12 @@ def measure(entry: zoo.Entry, probe: int, seed: int) -> dict:
             "probe_indices": idx.tolist(), "measurements": shares, "overlap": overlap}
 
 
+def results_table() -> PremiseTable:
+    """This script's table (``experiments/render.py`` re-renders it)."""
+    return PremiseTable(RESULTS / "premise_cifar10", "PBE's premise per zoo model (CIFAR-10)",
+                        "python experiments/premise_cifar10.py")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", choices=("dev", "generalisation"), dest="zoo_set", help="one zoo set (default: both)")
@@ -120,8 +120,7 @@ def main() -> None:
     ap.add_argument("--dataset", default="cifar10", help="zoo models of this dataset (default cifar10)")
     args = ap.parse_args()
     use_all_cpus()
-    table = PremiseTable(HERE / "results" / "premise_cifar10", "PBE's premise per zoo model (CIFAR-10)",
-                         "python experiments/premise_cifar10.py")
+    table = results_table()
     for entry in zoo_models(args.zoo_set, args.dataset, args.only, infected=False):
         if not zoo.is_built(entry.name):
             print(f"skip {entry.name}: not built yet")
@@ -131,7 +130,6 @@ def main() -> None:
             continue
         row = measure(entry, args.probe, args.seed)
         table.add(row)
-        plot(table.rows, HERE / "results" / "premise_cifar10.png")
         print(entry.name, " ".join(f"{m['label']}:{m['target_share'] if m['target_share'] is None else round(100 * m['target_share'])}"
                                    f"/{m['expected_share'] if m['expected_share'] is None else round(100 * m['expected_share'])}"
                                    for m in row["measurements"]), f"wall {row['wall_s']}s", flush=True)

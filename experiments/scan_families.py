@@ -14,12 +14,12 @@ import argparse
 import time
 
 import torch
-from common import HERE, built_zoo_models, same_zoo_model, zoo_cell
+from common import RESULTS, built_zoo_models, same_zoo_model, zoo_cell
 
 from pbe import zoo
 from pbe.adversarial import UniversalConfig
 from pbe.detection import SCAN_L2_RMS, label_scores, reached
-from pbe.results import ResultsTable
+from pbe.results import ResultsTable, fixed, pct
 from pbe.utils import hardware_string, toolkit_version
 
 FAMILIES = {  # name -> config; budgets as a share of the image (l2: rms per pixel; mask: of the pixels)
@@ -40,17 +40,22 @@ def rates(model, test_set, cfg: UniversalConfig, images: int, seed: int) -> list
 
 
 class FamilyTable(ResultsTable):
-    def markdown(self) -> str:
-        lines = self.head(". Rates in % of held-out images of other labels; z: robust z of the top label "
-                          "(pbe.detection).", ["zoo", "family", "target", "rate to target", "top label", "its rate",
-                                               "median rate", "z", "wall s", "hardware"])
-        for r in self.rows:
-            t, v = r["target"], r["rates"]
-            to_target = "–" if t is None else f"{100 * v[t]:.1f}"
-            lines.append(f"| {r['zoo']} | {r['family']} | {'–' if t is None else t} | {to_target} | {r['top_label']} | "
-                         f"{100 * max(v):.1f} | {100 * float(torch.tensor(v).median()):.1f} | {r['score']:.2f} | "
-                         f"{r['wall_s']:.0f} | {r['hardware']} |")
-        return "\n".join(lines) + "\n"
+    note = ". Rates in % of held-out images of other labels; z: robust z of the top label (pbe.detection)."
+
+    def columns(self):
+        def to_target(r):
+            return "–" if r["target"] is None else f"{100 * r['rates'][r['target']]:.1f}"
+        return [("zoo", lambda r: r["zoo"]), ("family", lambda r: r["family"]),
+                ("target", lambda r: "–" if r["target"] is None else str(r["target"])), ("rate to target", to_target),
+                ("top label", lambda r: str(r["top_label"])), ("its rate", lambda r: pct(max(r["rates"]), 1)),
+                ("median rate", lambda r: pct(float(torch.tensor(r["rates"]).median()), 1)),
+                ("z", lambda r: fixed(r["score"])), ("wall s", lambda r: fixed(r["wall_s"], 0))]
+
+
+def results_table() -> FamilyTable:
+    """This script's table (``experiments/render.py`` re-renders it)."""
+    return FamilyTable(RESULTS / "scan_families", "Universal families toward each label, dev-set zoo",
+                       "python experiments/scan_families.py")
 
 
 def main() -> None:
@@ -61,8 +66,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=256, help="images that fit each perturbation (as many measure it)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    table = FamilyTable(HERE / "results" / "scan_families", "Universal families toward each label, dev-set zoo",
-                        "python experiments/scan_families.py")
+    table = results_table()
     for dataset in args.dataset:
         for entry in built_zoo_models("dev", dataset, args.only, infected=False):
             z = None

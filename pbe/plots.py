@@ -56,3 +56,35 @@ def _save(fig, path) -> None:
     with atomic_path(Path(path)) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     _plt().close(fig)
+
+
+def defence_bars(rows: list[dict], series) -> object | None:
+    """Per infected model (x) and defence (`series(row)`, one bar colour each): ASR after the defence
+    (the model's ASR before it as a black tick) and the ACC drop in points. Returns the figure."""
+    rows = [r for r in rows if r.get("asr_before") is not None and r.get("acc_before") is not None]
+    if not rows:
+        return None
+    plt = _plt()
+    def model(r):
+        return r.get("zoo") or f"{r['attack']} ({r['recipe']})"
+    models = list(dict.fromkeys(model(r) for r in rows))
+    names = list(dict.fromkeys(series(r) for r in rows))
+    width = 0.8 / len(names)
+    fig, axes = plt.subplots(2, 1, figsize=(max(7, 1.1 * len(models) * max(1, len(names) / 3)), 6), sharex=True)
+    for j, name in enumerate(names):
+        for i, m in enumerate(models):
+            r = next((r for r in rows if series(r) == name and model(r) == m), None)
+            if r is None:
+                continue
+            x = i - 0.4 + width * (j + 0.5)
+            axes[0].bar(x, 100 * r["asr"], width, color=f"C{j}", label=name)
+            axes[0].plot([x - width / 2, x + width / 2], [100 * r["asr_before"]] * 2, "k-", lw=1)
+            axes[1].bar(x, 100 * (r["acc_before"] - r["acc"]), width, color=f"C{j}")
+    handles = {h.get_label(): h for h in axes[0].containers}  # one bar per (model, defence): one handle each
+    axes[0].legend(list(handles.values()), list(handles), fontsize=8, ncol=min(4, len(names)))
+    axes[0].set(ylabel="ASR after (%)", ylim=(0, 105), title="black ticks: ASR before")
+    axes[1].set(ylabel="ACC drop (points)")
+    axes[1].axhline(0, color="grey", lw=0.5)
+    axes[1].set_xticks(range(len(models)), models, rotation=30, ha="right", fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -42,11 +42,35 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _pct(v) -> str:
-    return "–" if v is None else f"{100 * v:.2f}"
+def pct(v, digits: int = 2) -> str:
+    """A share as a percentage for a rendered table ("–" when not measured)."""
+    return "–" if v is None else f"{100 * v:.{digits}f}"
+
+
+def fixed(v, digits: int = 2) -> str:
+    """A number with `digits` decimals for a rendered table ("–" when not measured)."""
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def target_cell(r: dict) -> str:
+    """A row's target as a reader names it."""
+    return "all-to-all" if r.get("all_to_all") else ("–" if r.get("target") is None else str(r["target"]))
+
+
+Column = tuple[str, Callable[[dict], str]]  # header, the cell of a row
 
 
 class ResultsTable:
+    """A JSON list of rows (one per cell, the keys of RESULTS.md), rendered beside it as a Markdown
+    table of the numbers a reader compares (commands, hardware and versions folded below it), a CSV of
+    the same columns plus those, and, where a subclass draws one, a PNG figure.
+
+    Subclasses change ``note`` (what the columns mean), ``columns`` and, for a summary under the table
+    or a figure, ``summary`` and ``figure``."""
+
+    note = (" (cells with a row are skipped; delete a row from the JSON to rerun it). Values in %, from the JSON "
+            "beside this file.")
+
     def __init__(self, path: str | Path, title: str, regenerate: str,
                  footer: Callable[[list[dict]], str] | None = None):
         """`footer(rows)` returns Markdown appended below the table (summaries, references)."""
@@ -73,34 +97,72 @@ class ResultsTable:
             self.write()
 
     def write(self) -> None:
+        """The JSON, and the Markdown, CSV and figure rendered from it, each written atomically."""
         write_json(self.json_path, self.rows)
         with atomic_path(self.json_path.with_suffix(".md")) as tmp:
             tmp.write_text(self.markdown())
+        with atomic_path(self.json_path.with_suffix(".csv")) as tmp:
+            tmp.write_text(self.csv())
+        fig = self.figure() if self.rows else None
+        if fig is not None:
+            from pbe.plots import _save
+            _save(fig, self.json_path.with_suffix(".png"))
 
-    def head(self, note: str, columns: list[str]) -> list[str]:
-        """The first lines of a rendered table: title, how to regenerate it (+ `note`), the column header."""
-        return [f"# {self.title}", "", f"Regenerate: `{self.regenerate}`{note}", "",
-                "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    def columns(self) -> list[Column]:
+        """The columns a reader compares (defence rows: before / after, cost)."""
+        def detection(r):
+            det = r.get("detection") or {}
+            return f"{pct(det['precision'])} / {pct(det['recall'])}" if "precision" in det else "–"
+        return [("zoo", lambda r: r.get("zoo") or "–"), ("set", lambda r: r.get("zoo_set") or "–"),
+                ("attack", lambda r: str(r["attack"])),
+                ("target", target_cell), ("defense", lambda r: str(r["defense"])),
+                ("schedule", lambda r: r.get("schedule") or "–"), ("setting", lambda r: r["setting"] or "–"),
+                ("seed", lambda r: str(r["seed"])), ("ACC before", lambda r: pct(r.get("acc_before"))),
+                ("ASR before", lambda r: pct(r.get("asr_before"))), ("ACC", lambda r: pct(r["acc"])),
+                ("ASR", lambda r: pct(r["asr"])), ("RA", lambda r: pct(r["ra"])),
+                ("DER", lambda r: fixed(r.get("der"), 3)), ("det. P / R", detection),
+                ("epoch-eq.", lambda r: fixed(r.get("epoch_equivalents"))), ("wall s", lambda r: fixed(r["wall_s"], 0))]
+
+    def summary(self) -> str | None:
+        """Markdown under the table (the constructor's `footer`, if any)."""
+        return None if self.footer is None else self.footer(self.rows)
+
+    def figure(self):
+        """A matplotlib figure of the rows, or None (no figure for this table)."""
+        return None
+
+    @staticmethod
+    def details(r: dict) -> str:
+        """What a row was made with: command, hardware, toolkit version."""
+        return f"`{r.get('command')}` ({r.get('hardware')}; toolkit {r.get('toolkit_version')})"
 
     def markdown(self) -> str:
-        head = ["zoo", "attack", "a2a", "defense", "setting", "seed", "ACC before", "ASR before", "ACC %", "ASR %",
-                "RA %", "DER", "det. P / R %", "wall s", "epoch-eq.", "hardware", "command"]
-        lines = self.head(" (cells with a row are skipped; delete a row from the JSON to rerun it). Values in %, "
-                          "from the JSON beside this file.", head)
-        for r in self.rows:
-            der = "–" if r.get("der") is None else f"{r['der']:.3f}"
-            ee = "–" if r.get("epoch_equivalents") is None else f"{r['epoch_equivalents']:.2f}"
-            det = r.get("detection") or {}
-            pr = f"{_pct(det['precision'])} / {_pct(det['recall'])}" if "precision" in det else "–"
-            lines.append("| " + " | ".join([
-                str(r.get("zoo") or "–"), str(r["attack"]), "yes" if r["all_to_all"] else "no", str(r["defense"]), str(r["setting"] or "–"),
-                str(r["seed"]), _pct(r.get("acc_before")), _pct(r.get("asr_before")), _pct(r["acc"]),
-                _pct(r["asr"]), _pct(r["ra"]), der, pr, f"{r['wall_s']:.0f}", ee, r["hardware"],
-                f"`{r['command']}`"]) + " |")
-        first = self.rows[0] if self.rows else {}
-        if first:
-            lines += ["", f"Dataset `{first['dataset']}`, model `{first['model']}`, recipe `{first['recipe']}`, "
-                      f"toolkit {first['toolkit_version']}."]
-        if self.footer is not None:
-            lines += ["", self.footer(self.rows)]
+        cols = self.columns()
+        lines = [f"# {self.title}", "", f"Regenerate: `{self.regenerate}`{self.note}", ""]
+        if self.rows and type(self).figure is not ResultsTable.figure:
+            lines += [f"![{self.title}]({self.json_path.with_suffix('.png').name})", ""]
+        lines += ["| # | " + " | ".join(h for h, _ in cols) + " |", "|---" + "|---" * len(cols) + "|"]
+        for i, r in enumerate(self.rows, 1):
+            lines.append(f"| {i} | " + " | ".join(str(f(r)) for _, f in cols) + " |")
+        summary = self.summary()
+        if summary:
+            lines += ["", summary]
+        if self.rows:
+            lines += ["", "<details><summary>Command, hardware and toolkit version of each row (every other field "
+                      f"is in <code>{self.json_path.name}</code>; the table as CSV: <code>"
+                      f"{self.json_path.with_suffix('.csv').name}</code>)</summary>", ""]
+            lines += [f"{i}. {self.details(r)}" for i, r in enumerate(self.rows, 1)] + ["", "</details>"]
         return "\n".join(lines) + "\n"
+
+    def csv(self) -> str:
+        """The rendered columns, then command, hardware and toolkit version, one line per row."""
+        import csv
+        import io
+        cols = self.columns()
+        out = io.StringIO()
+        w = csv.writer(out, lineterminator="\n")
+        extra = ("command", "hardware", "toolkit_version")
+        w.writerow(["#"] + [h for h, _ in cols] + list(extra))
+        for i, r in enumerate(self.rows, 1):
+            w.writerow([i] + [f(r) for _, f in cols] + [r.get(k) for k in extra])
+        return out.getvalue()

@@ -103,7 +103,15 @@ def test_results_table_finds_cells_replaces_rows_and_renders(tmp_path):
                                    "defense", "setting", "seed")}
     assert again.find(**cell)["acc"] == 0.5
     md = (tmp_path / "t.md").read_text()
-    assert "python make.py" in md and md.count("| badnets |") == 2
+    table, details = md.split("<details>")
+    assert "python make.py" in table and table.count("| badnets |") == 2
+    assert "pbe x" not in table and details.count("`pbe x`") == 2  # commands folded under the table
+    assert "| 1 |" in table and "| 2 |" in table and "50.00" in table  # numbered rows, values in %
+    import csv
+    rows = list(csv.DictReader((tmp_path / "t.csv").open()))
+    assert [r["#"] for r in rows] == ["1", "2"] and {r["command"] for r in rows} == {"pbe x"}
+    assert sorted(r["ACC"] for r in rows) == ["50.00", "90.00"]
+    assert not (tmp_path / "t.png").exists()  # the base table draws no figure
     with pytest.raises(PBEError, match="lacks keys"):
         t.add({"dataset": "x"})
 
@@ -125,3 +133,21 @@ def test_results_table_keeps_rows_of_parallel_writers(tmp_path):
     assert all(p.exitcode == 0 for p in procs)
     rows = json.loads((tmp_path / "t.json").read_text())
     assert sorted((r["attack"], r["seed"]) for r in rows) == [(f"attack{i}", s) for i in range(3) for s in range(10)]
+
+
+def test_results_table_subclass_draws_its_figure_and_links_it(tmp_path):
+    """A table that draws a figure writes the PNG beside the JSON and embeds it; defence_bars draws one
+    bar per (model, defence) and nothing for rows without a before / after."""
+    from pbe.plots import defence_bars
+
+    class Bars(ResultsTable):
+        def figure(self):
+            return defence_bars(self.rows, lambda r: r["defense"])
+    t = Bars(tmp_path / "t", "T", "python make.py")
+    t.add(_row(defense="pbe", acc_before=0.9, asr_before=1.0, asr=0.02, acc=0.88))
+    t.add(_row(defense="ft", acc_before=0.9, asr_before=1.0, asr=0.5, acc=0.89))
+    png = tmp_path / "t.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "![T](t.png)" in (tmp_path / "t.md").read_text()
+    fig = defence_bars(t.rows, lambda r: r["defense"])
+    assert len(fig.axes[0].patches) == len(fig.axes[1].patches) == 2
+    assert defence_bars([_row()], lambda r: r["defense"]) is None  # no before / after: nothing to draw

@@ -1,0 +1,173 @@
+"""The grid behind every results table. A table script names its cells (``cells(config)``: one row
+each) and runs one (``run_cell(**params)`` -> the row); this module skips the cells that already have
+a row, estimates what the rest will cost, and runs them here or as Ray tasks. Only the driver writes
+rows, so a worker that dies loses nothing and duplicates nothing: its task is retried, and a cell
+counts once, when its row is added.
+
+A table script provides ``CONFIG`` (its keys and their defaults), ``results_table(config)``,
+``cells(config)`` and ``run_cell(**params)``; ``reproduce.py`` runs a YAML config of one, and the
+script's own command line builds the same config from its arguments.
+"""
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from pbe import zoo
+from pbe.utils import PBEError
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = ("pbe_cifar10", "digits")  # the table scripts a config may name (their cells on this grid)
+RETRIES = 3  # Ray: how often a cell whose worker died is run again
+OBJECT_STORE_BYTES = 256 * 2 ** 20  # a local Ray instance: rows are small, the default (30 % of RAM) is not
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One row to make: `key` its cell keys (``ResultsTable.find``), `params` ``run_cell``'s arguments,
+    `estimate` its expected cost in epoch-equivalents (``../shared/PERF.md``)."""
+
+    script: str
+    name: str
+    key: dict
+    params: dict
+    estimate: float
+    zoo: str | None = None  # a zoo entry: a row counts only if made on its committed weights
+    resources: dict = field(default_factory=lambda: {"num_cpus": 1})
+
+
+def module(script: str):
+    if script not in SCRIPTS:
+        raise PBEError(f"unknown table script {script!r}; available: {', '.join(SCRIPTS)}")
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    return importlib.import_module(script)
+
+
+def load_config(path: str | Path) -> dict:
+    """A YAML config: ``script`` (one of SCRIPTS) and that script's CONFIG keys; the rest default."""
+    path = Path(path)
+    if not path.is_file():
+        raise PBEError(f"config {path} not found; the committed ones are in {HERE / 'configs'}")
+    cfg = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(cfg, dict) or "script" not in cfg:
+        raise PBEError(f"config {path}: a mapping with a 'script' key (one of {', '.join(SCRIPTS)}) is needed")
+    return complete(cfg, str(path))
+
+
+def complete(cfg: dict, where: str = "config") -> dict:
+    """`cfg` with its script's defaults filled in; unknown keys are an error naming the known ones."""
+    defaults = module(cfg["script"]).CONFIG
+    unknown = set(cfg) - set(defaults) - {"script"}
+    if unknown:
+        raise PBEError(f"{where}: unknown keys {sorted(unknown)} for {cfg['script']}; known: {sorted(defaults)}")
+    return {**defaults, **cfg}
+
+
+def run_one(script: str, params: dict) -> dict:
+    """Make one row (what a worker runs)."""
+    return module(script).run_cell(**params)
+
+
+def pending(table, cells: list[Cell]) -> list[Cell]:
+    """The cells without a row (on a zoo model: without one made on its committed weights)."""
+    todo = []
+    for c in cells:
+        row = table.find(**c.key)
+        if row is None or (c.zoo is not None and row.get("zoo_sha256") != zoo.row(c.zoo)["sha256"]):
+            todo.append(c)
+    return todo
+
+
+def seconds_per_epoch_equivalent(table) -> float | None:
+    """The median wall time per epoch-equivalent of the table's rows (None without any)."""
+    rates = [r["wall_s"] / r["epoch_equivalents"] for r in table.rows
+             if r.get("epoch_equivalents") and r.get("wall_s")]
+    return statistics.median(rates) if rates else None
+
+
+def execute(cfg: dict, executor: str = "local", address: str | None = None, only: list[str] | None = None,
+            dry_run: bool = False, progress: bool = True) -> list[dict]:
+    """Run a config's cells that have no row; returns the rows made (dry run: none)."""
+    cfg = complete(cfg)
+    mod = module(cfg["script"])
+    table = mod.results_table(cfg)
+    cells = mod.cells(cfg)
+    if only:
+        cells = [c for c in cells if any(fnmatch.fnmatch(c.name, p) or p in c.name for p in only)]
+    todo = pending(table, cells)
+    rate = seconds_per_epoch_equivalent(table)
+    total = sum(c.estimate for c in todo)
+    print(f"{cfg['script']}: {len(cells)} cells, {len(cells) - len(todo)} done, {len(todo)} to run, about "
+          f"{total:.1f} epoch-equivalents" + (f" (~{total * rate / 3600:.1f} h at this table's median "
+                                              f"{rate:.0f} s per epoch-equivalent)" if rate else ""), flush=True)
+    if dry_run:
+        for c in todo:
+            print(f"  {c.name}: ~{c.estimate:.1f} epoch-eq.")
+        return []
+    if not todo:
+        return []
+    if executor == "local":
+        return _run_local(table, todo, progress)
+    if executor == "ray":
+        return _run_ray(table, todo, address, progress)
+    raise PBEError(f"unknown executor {executor!r}; use 'local' or 'ray'")
+
+
+def _bar(todo: list[Cell], progress: bool):
+    from tqdm import tqdm
+    return tqdm(total=sum(c.estimate for c in todo), disable=not progress, unit="ep-eq",
+                bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} epoch-eq. [{elapsed}<{remaining}] {postfix}")
+
+
+def _run_local(table, todo: list[Cell], progress: bool) -> list[dict]:
+    made = []
+    with _bar(todo, progress) as bar:
+        for i, c in enumerate(todo, 1):
+            bar.set_postfix_str(f"cell {i}/{len(todo)}: {c.name}")
+            start = time.time()
+            row = run_one(c.script, c.params)
+            table.add(row)
+            made.append(row)
+            bar.update(c.estimate)
+            bar.write(f"{c.name}: done in {time.time() - start:.0f} s")
+    return made
+
+
+def _run_ray(table, todo: list[Cell], address: str | None, progress: bool) -> list[dict]:
+    try:
+        import ray
+    except ImportError as e:
+        raise PBEError("the Ray executor needs Ray: pip install -e '.[ray]'") from e
+    path = os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {"PYTHONPATH": path, **{k: os.environ[k] for k in ("PBE_RESULTS", "PBE_RUNS", "OMP_NUM_THREADS")
+                                  if k in os.environ}}
+    started = not ray.is_initialized()
+    if started:
+        local = {} if address else {"object_store_memory": OBJECT_STORE_BYTES}
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False, **local)
+    try:
+        task = ray.remote(run_one)
+        refs = {task.options(max_retries=RETRIES, **c.resources).remote(c.script, c.params): c for c in todo}
+        made, waiting = [], list(refs)
+        with _bar(todo, progress) as bar:
+            while waiting:
+                done, waiting = ray.wait(waiting, num_returns=1)
+                c = refs[done[0]]
+                row = ray.get(done[0])  # a cell that failed RETRIES + 1 times raises here: nothing half-written
+                table.add(row)
+                made.append(row)
+                bar.update(c.estimate)
+                bar.set_postfix_str(f"{len(made)}/{len(todo)} cells; last: {c.name}")
+        return made
+    finally:
+        if started:
+            ray.shutdown()

@@ -1,0 +1,34 @@
+"""Rebuild a results table from its config: one YAML per table in ``experiments/configs/``, each
+naming the table script, the zoo models, the defences and their parameters. Cells (one row of
+``../shared/RESULTS.md`` each) with a row already are skipped; a cell cut short starts again
+cleanly (rows are written whole, by this driver only). ``--dry-run`` lists the cells left and an
+estimate of their cost.
+
+    python experiments/reproduce.py experiments/configs/pbe_cifar10.yaml [--only PATTERN ...] [--dry-run]
+    python experiments/reproduce.py CONFIG --executor ray [--address HOST:PORT]   # pip install -e '.[ray]'
+
+On a Ray cluster every cell is a task (its CPU / GPU request from the script), retried if its worker
+dies; the repository, the zoo and ``runs/`` must be on a path every node shares (same absolute path).
+"""
+from __future__ import annotations
+
+import argparse
+
+from grid import execute, load_config
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config", help="a YAML config (experiments/configs/*.yaml)")
+    ap.add_argument("--executor", choices=("local", "ray"), default="local")
+    ap.add_argument("--address", help="Ray: the cluster's address (default: start a local Ray instance)")
+    ap.add_argument("--only", nargs="*", help="cells whose name contains or matches (fnmatch) one of these")
+    ap.add_argument("--dry-run", action="store_true", help="list the cells left and their estimated cost")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args()
+    execute(load_config(args.config), args.executor, args.address, args.only, args.dry_run,
+            progress=not args.no_progress)
+
+
+if __name__ == "__main__":
+    main()

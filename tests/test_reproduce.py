@@ -1,0 +1,91 @@
+"""experiments/reproduce.py: configs, the grid's skipping and cost estimate, and the Ray executor
+surviving a worker killed mid-cell (a local Ray instance; the digits table, seconds per cell)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "experiments"
+
+
+def _reproduce(tmp_path, config: str, *args, env_extra=None, popen=False):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(config)
+    env = {**os.environ, "PBE_RESULTS": str(tmp_path / "results"), "PBE_RUNS": str(tmp_path / "runs"),
+           "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    cmd = [sys.executable, str(EXPERIMENTS / "reproduce.py"), str(cfg), "--no-progress", *args]
+    if popen:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_config_errors_name_the_problem_and_the_fix(tmp_path):
+    bad = _reproduce(tmp_path, "script: digits\nattack: [badnets]\n", "--dry-run")
+    assert bad.returncode != 0 and "unknown keys ['attack']" in bad.stderr and "attacks" in bad.stderr
+    bad = _reproduce(tmp_path, "script: nope\n", "--dry-run")
+    assert bad.returncode != 0 and "unknown table script 'nope'" in bad.stderr and "pbe_cifar10" in bad.stderr
+    bad = _reproduce(tmp_path, "attacks: [badnets]\n", "--dry-run")
+    assert bad.returncode != 0 and "'script' key" in bad.stderr
+    missing = subprocess.run([sys.executable, str(EXPERIMENTS / "reproduce.py"), str(tmp_path / "none.yaml")],
+                             cwd=ROOT, capture_output=True, text=True)
+    assert missing.returncode != 0 and "not found" in missing.stderr and "configs" in missing.stderr
+
+
+def test_committed_configs_list_their_cells(tmp_path):
+    """Every committed config loads and its dry run lists cells with a cost, writing nothing."""
+    for path in sorted((EXPERIMENTS / "configs").glob("*.yaml")):
+        out = _reproduce(tmp_path, path.read_text(), "--dry-run")
+        assert out.returncode == 0, out.stderr
+        assert " cells, " in out.stdout and "epoch-equivalents" in out.stdout
+    assert not (tmp_path / "results").exists() and not (tmp_path / "runs").exists()
+
+
+def _ray_workers_mid_cell() -> list[int]:
+    """Ray worker processes running a cell whose command (`pbe ...`) is running."""
+    procs = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            procs[int(p.name)] = (cmd, ppid)
+    return [pid for pid, (cmd, _) in procs.items() if cmd.startswith("ray::run_one")
+            and any(c[1] == pid and "pbe" in c[0] for c in procs.values())]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds and kills Ray workers through /proc")
+def test_ray_executor_survives_a_worker_killed_mid_cell_and_local_skips_finished_cells(tmp_path):
+    pytest.importorskip("ray")
+    config = "script: digits\nattacks: [badnets]\ndefenses: [ft]\nseeds: [0, 1]\n"
+    proc = _reproduce(tmp_path, config, "--executor", "ray", popen=True)
+    killed, deadline = None, time.time() + 300
+    while proc.poll() is None and time.time() < deadline:
+        if killed is None:
+            workers = _ray_workers_mid_cell()
+            if workers:
+                killed = workers[0]
+                os.kill(killed, signal.SIGKILL)
+        time.sleep(0.2)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert killed is not None, "no Ray worker was seen mid-cell"
+    rows = json.loads((tmp_path / "results" / "digits.json").read_text())
+    assert sorted(r["seed"] for r in rows) == [0, 1]  # each cell once: none lost, none duplicated
+    assert all(r["defense"] == "ft" and r["asr_before"] > 0.9 for r in rows)
+    # the local executor: the finished cells are skipped, a new defence of the same models runs
+    again = _reproduce(tmp_path, config.replace("[ft]", "[ft, ss]"), "--dry-run")
+    assert "4 cells, 2 done, 2 to run" in again.stdout, again.stdout
+    local = _reproduce(tmp_path, config.replace("[ft]", "[ft, ss]").replace("[0, 1]", "[0]"))
+    assert local.returncode == 0, local.stderr[-3000:]
+    rows = json.loads((tmp_path / "results" / "digits.json").read_text())
+    assert sorted((r["defense"], r["seed"]) for r in rows) == [("ft", 0), ("ft", 1), ("ss", 0)]
+    md = (tmp_path / "results" / "digits.md").read_text()
+    assert md.count("| badnets |") == 3 and (tmp_path / "results" / "digits.csv").exists()
