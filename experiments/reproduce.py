@@ -4,7 +4,7 @@ naming the table script, the zoo models, the defences and their parameters. Cell
 cleanly (rows are written whole, by this driver only). ``--dry-run`` lists the cells left and an
 estimate of their cost.
 
-    python experiments/reproduce.py experiments/configs/pbe_cifar10.yaml [--only PATTERN ...] [--dry-run]
+    python experiments/reproduce.py experiments/configs/pbe_cifar10.yaml [...] [--only PATTERN ...] [--dry-run]
     python experiments/reproduce.py CONFIG --executor ray [--address HOST:PORT]   # pip install -e '.[ray]'
 
 On a Ray cluster every cell is a task (its CPU / GPU request from the script), retried if its worker
@@ -19,15 +19,15 @@ from grid import execute, load_config
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("config", help="a YAML config (experiments/configs/*.yaml)")
+    ap.add_argument("configs", nargs="+", help="YAML configs (experiments/configs/*.yaml), run one after the other")
     ap.add_argument("--executor", choices=("local", "ray"), default="local")
     ap.add_argument("--address", help="Ray: the cluster's address (default: start a local Ray instance)")
     ap.add_argument("--only", nargs="*", help="cells whose name contains or matches (fnmatch) one of these")
     ap.add_argument("--dry-run", action="store_true", help="list the cells left and their estimated cost")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args()
-    execute(load_config(args.config), args.executor, args.address, args.only, args.dry_run,
-            progress=not args.no_progress)
+    for cfg in [load_config(path) for path in args.configs]:  # every config checked before any cell runs
+        execute(cfg, args.executor, args.address, args.only, args.dry_run, progress=not args.no_progress)
 
 
 if __name__ == "__main__":

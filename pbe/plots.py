@@ -88,3 +88,14 @@ def defence_bars(rows: list[dict], series) -> object | None:
     axes[1].set_xticks(range(len(models)), models, rotation=30, ha="right", fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def show(fig) -> None:
+    """Display a figure in a Jupyter notebook as a PNG and close it (the figures here draw headless)."""
+    import io
+
+    from IPython.display import Image, display
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    _plt().close(fig)
+    display(Image(buf.getvalue()))
