@@ -104,10 +104,15 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+CELL_PROGRESS = "PBE_CELL_PROGRESS"  # set to 1 (by the grid, on a terminal): the commands show their progress bars
+
+
 def run_cell(cmd: list[str], out: Path) -> dict:
-    """Run a ``pbe ...`` command that writes ``out/metrics.json``; return those metrics + the command."""
+    """Run a ``pbe ...`` command that writes ``out/metrics.json``; return those metrics + the command
+    (as recorded: with ``--no-progress``, which does not change the run)."""
     print("$", shlex.join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    shown = [c for c in cmd if c != "--no-progress"] if os.environ.get(CELL_PROGRESS) == "1" else cmd
+    subprocess.run(shown, check=True, cwd=ROOT, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     return {**json.loads((ROOT / out / "metrics.json").read_text()), "command": shlex.join(cmd)}
 
 

@@ -129,6 +129,9 @@ def _bar(todo: list[Cell], progress: bool):
 
 
 def _run_local(table, todo: list[Cell], progress: bool) -> list[dict]:
+    from common import CELL_PROGRESS
+    if progress and sys.stderr.isatty():  # each cell's own bars under the overall one
+        os.environ[CELL_PROGRESS] = "1"
     made = []
     with _bar(todo, progress) as bar:
         for i, c in enumerate(todo, 1):

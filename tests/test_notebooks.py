@@ -1,6 +1,5 @@
 """The analysis notebooks run, in their small mode (SMALL=1: the built-in digits), through a real
 Jupyter kernel (nbclient), as a reader would run them."""
-import os
 from pathlib import Path
 
 import pytest
