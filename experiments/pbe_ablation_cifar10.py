@@ -118,8 +118,8 @@ VARIANTS = {
                       "cluster in that label, the cluster's estimated trigger replaces the optimised universal "
                       "perturbations and only the cluster is refused and relabelled",
                       replace(TARGETED_V4, isolate_named=True)),
-    "relabel_all_isolated": ("the fifth default (end of 2026-12-04): targeted_isolate + every "
-                             "isolated sample (not only those round 1 moved with softmax >= 0.8) joins round 2 with "
+    "relabel_all_isolated": ("the fifth default (end of 2026-12-04, until the whole-label test): targeted_isolate + "
+                             "every isolated sample (not only those round 1 moved with softmax >= 0.8) joins round 2 with "
                              "the purified model's most likely label other than its own", TARGETED_V5),
     "whole_label_trigger": ("relabel_all_isolated + where no cluster is confirmed and no label named, the isolation "
                             "tests every label as a whole (clean-label poison: all of the target's samples carry the "
@@ -129,7 +129,8 @@ VARIANTS = {
     "whole_label_refuse": ("whole_label_trigger + that label is named the target: its samples are out of round 1 and "
                            "back in round 2 where the purified model still assigns them to it (never relabelled)",
                            replace(TARGETED_V5, whole_label="refuse")),
-    "whole_label_exclude": ("whole_label_refuse, but that label's samples stay out of round 2 as well (on clean-label "
+    "whole_label_exclude": ("the default (SCHEDULES['targeted']) since 2026-12-04 late: whole_label_refuse, but that "
+                            "label's samples stay out of round 2 as well (on clean-label "
                             "SIG, re-admitting them in round 2 raised ASR from 0.80 to 3.61 %: every one carries the "
                             "trigger with the target label)", replace(TARGETED_V5, whole_label="exclude")),
     "whole_label_trigger_half": ("whole_label_trigger with the estimated trigger on half of every batch (a third: "
@@ -163,9 +164,9 @@ class AblationTable(ResultsTable):
                 ("epoch-eq.", lambda r: fixed(r["epoch_equivalents"])), ("wall s", lambda r: fixed(r["wall_s"], 0))]
 
     def summary(self) -> str:
-        what = {}
+        what = {}  # the script's description where the variant is still defined, else the row's
         for r in self.rows:
-            what.setdefault(r["variant"], r["what"])
+            what.setdefault(r["variant"], VARIANTS[r["variant"]][0] if r["variant"] in VARIANTS else r["what"])
         return "Variants:\n\n" + "\n".join(f"- **{v}**: {w}" for v, w in what.items())
 
 
