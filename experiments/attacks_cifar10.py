@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from common import RESULTS, TrainedTable, zoo_models
+from common import RESULTS, TrainedTable, zoo_cell, zoo_models
+from grid import Cell, execute
 
 from pbe import zoo
 
@@ -22,10 +23,48 @@ def clean_reference(entry: zoo.Entry) -> dict | None:
     return zoo.row(clean[0].name) if clean else None
 
 
-def results_table() -> TrainedTable:
+def results_table(cfg: dict | None = None) -> TrainedTable:
     """This script's table (``experiments/render.py`` re-renders it)."""
     return TrainedTable(RESULTS / "attacks_cifar10", "Infected CIFAR-10 models (the zoo)",
                         "python experiments/attacks_cifar10.py [--build]")
+
+
+CONFIG = {"set": None, "only": None, "build": False}
+EPOCHS_ESTIMATE = 15.0  # epoch-equivalents of building a zoo model (the cpu recipe's epochs)
+
+
+def cells(cfg: dict) -> list[Cell]:
+    out = []
+    for entry in zoo_models(cfg["set"], "cifar10", cfg["only"], infected=False):
+        if not (cfg["build"] or zoo.is_built(entry.name)):
+            print(f"skip {entry.name}: not built (set build: true, or pbe zoo build {entry.name})", flush=True)
+            continue
+        built = zoo.is_built(entry.name)  # not built yet: a key no row has, so the cell is pending
+        key = zoo_cell(entry, "none", None, entry.seed) if built else {"zoo": entry.name, "defense": "to build"}
+        out.append(Cell("attacks_cifar10", f"{entry.name} {'row' if built else 'build'}", key,
+                        {"name": entry.name, "build": cfg["build"]}, 0.0 if built else EPOCHS_ESTIMATE, zoo=None))
+    return out
+
+
+def stale(row: dict) -> bool:
+    """A row whose zoo model was rebuilt since (its weights' sha256 changed) is refreshed."""
+    return bool(row.get("zoo")) and zoo.is_built(row["zoo"]) and row.get("sha256") != zoo.row(row["zoo"])["sha256"]
+
+
+def run_cell(name: str, build: bool) -> dict:
+    """One row: a zoo model's committed row (built first when `build`), with its ACC drop against the
+    clean model of the same set and architecture."""
+    if build:
+        zoo.build(name)
+    entry = zoo.get(name)
+    row = {k: v for k, v in zoo.row(name).items() if k != "train_log"}
+    ref = clean_reference(entry)
+    row["clean_model"] = ref and ref["zoo"]
+    row["clean_model_acc"] = ref and ref["acc"]
+    row["acc_drop_vs_clean"] = None if ref is None else ref["acc"] - row["acc"]
+    asr = "–" if row["asr"] is None else f"{100 * row['asr']:.2f}"
+    print(f"{name}: acc {100 * row['acc']:.2f} asr {asr}", flush=True)
+    return row
 
 
 def main() -> None:
@@ -35,22 +74,7 @@ def main() -> None:
     ap.add_argument("--build", action="store_true", help="train zoo models that are missing first")
     ap.add_argument("--only", nargs="*", help="zoo names or attacks")
     args = ap.parse_args()
-    table = results_table()
-    entries = zoo_models(args.zoo_set, "cifar10", args.only, infected=False)
-    for entry in entries:
-        if args.build:
-            zoo.build(entry.name)
-        if not zoo.is_built(entry.name):
-            print(f"skip {entry.name}: not built (pass --build, or pbe zoo build {entry.name})")
-            continue
-        row = {k: v for k, v in zoo.row(entry.name).items() if k != "train_log"}
-        ref = clean_reference(entry)
-        row["clean_model"] = ref and ref["zoo"]
-        row["clean_model_acc"] = ref and ref["acc"]
-        row["acc_drop_vs_clean"] = None if ref is None else ref["acc"] - row["acc"]
-        table.add(row)
-        asr = "–" if row["asr"] is None else f"{100 * row['asr']:.2f}"
-        print(f"{entry.name}: acc {100 * row['acc']:.2f} asr {asr}", flush=True)
+    execute({"script": "attacks_cifar10", "set": args.zoo_set, "only": args.only, "build": args.build}, progress=False)
 
 
 if __name__ == "__main__":

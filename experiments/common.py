@@ -21,14 +21,14 @@ RESULTS = Path(os.environ.get("PBE_RESULTS", HERE / "results"))
 RUNS = Path(os.environ.get("PBE_RUNS", "runs"))
 
 
-def zoo_models(zoo_set: str = "dev", dataset: str = "cifar10", only: list[str] | None = None,
+def zoo_models(zoo_set: str | None = "dev", dataset: str | None = "cifar10", only: list[str] | None = None,
                infected: bool = True) -> list[zoo.Entry]:
-    """Zoo entries of one set and dataset (infected ones only by default), as `only` names them: a
-    zoo name (``cifar10/badnets``), its last part (``badnets``) or an attack (``blend``)."""
+    """Zoo entries of one set and dataset (None: every set / dataset; infected ones only by default), as
+    `only` names them: a zoo name (``cifar10/badnets``), its last part (``badnets``) or an attack (``blend``)."""
     found = []
     for name in zoo.available(zoo_set):
         e = zoo.get(name)
-        if e.dataset != dataset or (infected and not e.infected):
+        if (dataset and e.dataset != dataset) or (infected and not e.infected):
             continue
         if only and not {name, name.split("/")[-1], e.attack} & set(only):
             continue
@@ -36,14 +36,14 @@ def zoo_models(zoo_set: str = "dev", dataset: str = "cifar10", only: list[str] |
     return found
 
 
-def built_zoo_models(zoo_set: str = "dev", dataset: str = "cifar10", only: list[str] | None = None,
+def built_zoo_models(zoo_set: str | None = "dev", dataset: str | None = "cifar10", only: list[str] | None = None,
                      infected: bool = True):
     """``zoo_models`` that are built, saying which are skipped because they are not."""
     for entry in zoo_models(zoo_set, dataset, only, infected):
         if zoo.is_built(entry.name):
             yield entry
         else:
-            print(f"skip {entry.name}: not built yet")
+            print(f"skip {entry.name}: not built yet (pbe zoo build {entry.name})", flush=True)
 
 
 def add_zoo_args(ap) -> None:
@@ -51,30 +51,6 @@ def add_zoo_args(ap) -> None:
     ap.add_argument("--set", choices=zoo.SETS, dest="zoo_set", help="one zoo set (default: both)")
     ap.add_argument("--dataset", help="one dataset (default: all)")
     ap.add_argument("--only", nargs="*", help="zoo names, their last part, or attacks")
-
-
-def selected_zoo_models(args):
-    """The built zoo entries ``add_zoo_args``' arguments select, of every set and dataset, saying which
-    are skipped because they are not built."""
-    for name in zoo.available(args.zoo_set):
-        entry = zoo.get(name)
-        if args.dataset and entry.dataset != args.dataset:
-            continue
-        if args.only and not {name, name.split("/")[-1], entry.attack} & set(args.only):
-            continue
-        if not zoo.is_built(name):
-            print(f"skip {name}: not built yet", flush=True)
-            continue
-        yield entry
-
-
-def zoo_source(entry: zoo.Entry) -> Path | None:
-    """The committed zoo folder of an entry, relative to the repository root; None when not built
-    (said on the console, so that a run before the zoo is complete does what it can)."""
-    if not zoo.is_built(entry.name):
-        print(f"skip {entry.name}: not in the zoo yet (pbe zoo build {entry.name})", flush=True)
-        return None
-    return entry.folder.resolve().relative_to(ROOT)
 
 
 def data_args(entry: zoo.Entry) -> list[str]:

@@ -20,10 +20,12 @@ import json
 from statistics import mean
 
 from common import (
-    RESULTS, DefenceTable, HERE, ROOT, RUNS, data_args, defence_row, run_cell, same_zoo_model, zoo_cell, zoo_models,
-    zoo_source)
+    HERE, RESULTS, ROOT, RUNS, DefenceTable, built_zoo_models, data_args, defence_row, same_zoo_model, zoo_cell)
+from common import run_cell as run_command
+from grid import Cell, execute, median_cost
 
-from pbe import defenses
+from pbe import defenses, zoo
+from pbe.utils import PBEError
 
 ATTACKS = ["badnets", "blend", "sig", "wanet", "input_aware"]  # column order of the summary
 
@@ -134,10 +136,50 @@ def copy_pbe_row(cell: dict) -> dict | None:
     return None
 
 
-def results_table() -> DefenceTable:
+def results_table(cfg: dict | None = None) -> DefenceTable:
     """This script's table (``experiments/render.py`` re-renders it)."""
     return DefenceTable(RESULTS / "defenses_cifar10", "Defences side by side on infected CIFAR-10 models",
                         "python experiments/defenses_cifar10.py", footer=summary_by_model)
+
+
+CONFIG = {"set": "dev", "only": None, "defenses": list(ORDER), "paper_budget": False, "seeds": [0]}
+DEFAULT_ESTIMATE = 3.0  # epoch-equivalents of a defence without a row yet
+
+
+def cells(cfg: dict) -> list[Cell]:
+    unknown = set(cfg["defenses"]) - set(ORDER)
+    if unknown:
+        raise PBEError(f"defenses_cifar10: unknown defences {sorted(unknown)}; available: {', '.join(ORDER)}")
+    table = results_table(cfg)
+    return [Cell("defenses_cifar10", f"{e.name} {defense} seed {seed}", zoo_cell(e, defense, setting_of(defense), seed),
+                 {"name": e.name, "defense": defense, "seed": seed, "paper_budget": cfg["paper_budget"]},
+                 median_cost(table, DEFAULT_ESTIMATE, defense=defense), zoo=e.name)
+            for e in built_zoo_models(cfg["set"], "cifar10", cfg["only"]) for defense in cfg["defenses"]
+            for seed in cfg["seeds"]]
+
+
+def run_cell(name: str, defense: str, seed: int, paper_budget: bool) -> dict:
+    """One row: ``pbe defend`` on a zoo model (PBE / AFT rows are copied from pbe_cifar10.json when there)."""
+    entry = zoo.get(name)
+    cell = zoo_cell(entry, defense, setting_of(defense), seed)
+    if defense in ("pbe", "aft") and (row := copy_pbe_row(cell)) and same_zoo_model(row, entry):
+        print(f"{name} {defense}: copied from pbe_cifar10.json")
+        return row
+    src = entry.folder.resolve().relative_to(ROOT)
+    registered_name, variant = registered(defense)
+    params = {**({} if paper_budget else cpu_budget(registered_name, entry.recipe)), **variant}
+    out = RUNS / "defenses_cifar10" / name / f"{defense}_seed{seed}"
+    cmd = ["pbe", "defend", "--defense", registered_name, "--model", str(src), *data_args(entry),
+           "--poison-from", str(src), "--seed", str(seed), "--out", str(out), "--no-progress", "--clean-fraction", "0.05"]
+    for k, v in params.items():
+        cmd += ["--param", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
+    m = run_command(cmd, out)
+    report = json.loads((ROOT / out / "report.json").read_text())
+    row = defence_row(cell, m["command"], report, entry, params=report["params"],
+                      budget="paper" if paper_budget else "cpu")
+    print(f"{name} {defense}: acc {row['acc_before']:.4f}->{row['acc']:.4f} asr {row['asr_before']:.4f}->"
+          f"{row['asr']:.4f} ee={row['epoch_equivalents']:.2f} wall={row['wall_s']:.0f}s", flush=True)
+    return row
 
 
 def main() -> None:
@@ -148,36 +190,8 @@ def main() -> None:
     ap.add_argument("--paper-budget", action="store_true", help="the defences' own defaults (GPU-sized)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the defence")
     args = ap.parse_args()
-    table = results_table()
-    for entry in zoo_models(args.zoo_set, "cifar10", args.only):
-        src = zoo_source(entry)
-        if src is None:
-            continue
-        for defense in args.defenses:
-            cell = zoo_cell(entry, defense, setting_of(defense), args.seed)
-            if same_zoo_model(table.find(**cell), entry):
-                print(f"skip {entry.name} {defense}: already in the table")
-                continue
-            if defense in ("pbe", "aft") and (row := copy_pbe_row(cell)) and same_zoo_model(row, entry):
-                table.add(row)
-                print(f"{entry.name} {defense}: copied from pbe_cifar10.json")
-                continue
-            name, variant = registered(defense)
-            params = {**({} if args.paper_budget else cpu_budget(name, entry.recipe)), **variant}
-            out = RUNS / "defenses_cifar10" / entry.name / f"{defense}_seed{args.seed}"
-            cmd = ["pbe", "defend", "--defense", name, "--model", str(src), *data_args(entry),
-                   "--poison-from", str(src), "--seed", str(args.seed), "--out", str(out), "--no-progress",
-                   "--clean-fraction", "0.05"]
-            for k, v in params.items():
-                cmd += ["--param", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
-            m = run_cell(cmd, out)
-            report = json.loads((ROOT / out / "report.json").read_text())
-            row = defence_row(cell, m["command"], report, entry, params=report["params"],
-                              budget="paper" if args.paper_budget else "cpu")
-            table.add(row)
-            print(f"{entry.name} {defense}: acc {row['acc_before']:.4f}->{row['acc']:.4f} "
-                  f"asr {row['asr_before']:.4f}->{row['asr']:.4f} ee={row['epoch_equivalents']:.2f} "
-                  f"wall={row['wall_s']:.0f}s", flush=True)
+    execute({"script": "defenses_cifar10", "set": args.zoo_set, "only": args.only, "defenses": args.defenses,
+             "paper_budget": args.paper_budget, "seeds": [args.seed]}, progress=False)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,14 @@ import math
 import time
 
 import torch
-from common import RESULTS, add_zoo_args, same_zoo_model, selected_zoo_models, zoo_cell
+from common import RESULTS, add_zoo_args, built_zoo_models, zoo_cell
+from grid import Cell, execute, median_cost
 from sklearn.metrics import roc_auc_score
 
 from pbe import zoo
 from pbe.detection import ALPHA, METHOD, detect
 from pbe.results import ResultsTable, fixed, target_cell
-from pbe.utils import hardware_string, toolkit_version
+from pbe.utils import PBEError, hardware_string, toolkit_version
 
 
 def threshold_z(alpha: float, num_classes: int) -> float:
@@ -80,45 +81,65 @@ class DetectTable(ResultsTable):
         return "\n".join(lines)
 
 
-def results_table() -> DetectTable:
+def results_table(cfg: dict | None = None) -> DetectTable:
     """This script's table (``experiments/render.py`` re-renders it)."""
     return DetectTable(RESULTS / "detect", "Trigger-free detection on the zoo",
                        "python experiments/detect.py")
 
 
+CONFIG = {"set": None, "dataset": None, "only": None, "split": "test+train", "seeds": [0]}
+SPLITS = ("test+train", "test", "train")
+DEFAULT_ESTIMATE = 0.5  # epoch-equivalents of a detection without a row yet (CIFAR-10 dev, method 7: 0.47-0.50)
+
+
+def stale(row: dict) -> bool:
+    """Rows of an older detection method are redone."""
+    return row.get("method") != METHOD
+
+
+def cells(cfg: dict) -> list[Cell]:
+    if cfg["split"] not in SPLITS:
+        raise PBEError(f"detect: split must be one of {SPLITS}, got {cfg['split']!r}")
+    table = results_table(cfg)
+    return [Cell("detect", f"{e.name} detect {cfg['split']} seed {seed}", zoo_cell(e, "detect", cfg["split"], seed),
+                 {"name": e.name, "split": cfg["split"], "seed": seed},
+                 median_cost(table, DEFAULT_ESTIMATE, dataset=e.dataset, method=METHOD), zoo=e.name)
+            for e in built_zoo_models(cfg["set"], cfg["dataset"], cfg["only"], infected=False) for seed in cfg["seeds"]]
+
+
+def run_cell(name: str, split: str, seed: int) -> dict:
+    """One row: ``pbe.detect`` on a zoo model with the defender's data of `split` (the `setting` key)."""
+    entry = zoo.get(name)
+    z = zoo.load(name)
+    start = time.time()
+    images = z.train_set if split == "train" else z.test_set
+    d = detect(z.model, images, seed=seed, train_data=z.train_set if split == "test+train" else None)
+    r = z.row
+    print(f"{name}: suspected {d.suspected} label {d.label} (target {entry.target}) score {d.score:.2f} "
+          f"p {d.p_value:.2g} ee {d.epoch_equivalents(len(z.train_set)):.2f}", flush=True)
+    return {**zoo_cell(entry, "detect", split, seed), "acc": r["acc"], "asr": r["asr"], "ra": r["ra"],
+            "acc_before": None, "asr_before": None, "ra_before": None, "der": None, "detection": None,
+            "suspected": d.suspected, "label": d.label, "top_label": d.top_label, "score": d.score,
+            "p_value": d.p_value, "alpha": d.alpha,
+            "margin": d.score - threshold_z(d.alpha / len(d.scores), len(d.rates)), "rates": d.rates,
+            "label_map": d.label_map, "method": METHOD, "evidence": d.evidence,
+            "per_image_rates": d.per_image_rates, "scores": d.scores, "gap": d.gap, "gap_score": d.gap_score,
+            "cluster_labels": d.cluster_labels, "images": d.images, "wall_s": round(time.time() - start, 1),
+            "epoch_equivalents": d.epoch_equivalents(len(z.train_set)),
+            "command": f"python experiments/detect.py --only {name} --split {split} --seed {seed}",
+            "hardware": hardware_string(), "toolkit_version": toolkit_version(), "zoo_sha256": r["sha256"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_zoo_args(ap)
-    ap.add_argument("--split", choices=("test+train", "test", "train"), default="test+train",
+    ap.add_argument("--split", choices=SPLITS, default="test+train",
                     help="the defender's data: the test set and the labelled, possibly poisoned training set "
                     "(default), the test set only, or the training set only")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    table = results_table()
-    for entry in selected_zoo_models(args):
-        name = entry.name
-        cell = zoo_cell(entry, "detect", args.split, args.seed)  # setting: whose images the defender has
-        found = table.find(**cell)
-        if same_zoo_model(found, entry) and found.get("method") == METHOD:
-            print(f"skip {name}: already in the table", flush=True)
-            continue
-        z = zoo.load(name)
-        start = time.time()
-        images = z.train_set if args.split == "train" else z.test_set
-        d = detect(z.model, images, seed=args.seed, train_data=z.train_set if args.split == "test+train" else None)
-        r = z.row
-        table.add({**cell, "acc": r["acc"], "asr": r["asr"], "ra": r["ra"], "acc_before": None, "asr_before": None,
-                   "ra_before": None, "der": None, "detection": None, "suspected": d.suspected, "label": d.label,
-                   "top_label": d.top_label, "score": d.score, "p_value": d.p_value, "alpha": d.alpha,
-                   "margin": d.score - threshold_z(d.alpha / len(d.scores), len(d.rates)), "rates": d.rates,
-                   "label_map": d.label_map, "method": METHOD, "evidence": d.evidence,
-                   "per_image_rates": d.per_image_rates, "scores": d.scores, "gap": d.gap, "gap_score": d.gap_score,
-                   "images": d.images, "wall_s": round(time.time() - start, 1),
-                   "epoch_equivalents": d.epoch_equivalents(len(z.train_set)),
-                   "command": f"python experiments/detect.py --only {name} --split {args.split} --seed {args.seed}",
-                   "hardware": hardware_string(), "toolkit_version": toolkit_version(), "zoo_sha256": r["sha256"]})
-        print(f"{name}: suspected {d.suspected} label {d.label} (target {entry.target}) score {d.score:.2f} "
-              f"p {d.p_value:.2g} ee {d.epoch_equivalents(len(z.train_set)):.2f}", flush=True)
+    execute({"script": "detect", "set": args.zoo_set, "dataset": args.dataset, "only": args.only, "split": args.split,
+             "seeds": [args.seed]}, progress=False)
 
 
 if __name__ == "__main__":

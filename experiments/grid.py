@@ -5,8 +5,9 @@ rows, so a worker that dies loses nothing and duplicates nothing: its task is re
 counts once, when its row is added.
 
 A table script provides ``CONFIG`` (its keys and their defaults), ``results_table(config)``,
-``cells(config)`` and ``run_cell(**params)``; ``reproduce.py`` runs a YAML config of one, and the
-script's own command line builds the same config from its arguments.
+``cells(config)``, ``run_cell(**params)`` and optionally ``stale(row)`` (a row it no longer accepts,
+e.g. made by an older method); ``reproduce.py`` runs a YAML config of one, and the script's own
+command line builds the same config from its arguments.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from pbe import zoo
 from pbe.utils import PBEError
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ("pbe_cifar10", "digits")  # the table scripts a config may name (their cells on this grid)
+SCRIPTS = ("clean_cifar10", "attacks_cifar10", "premise_cifar10", "scan_families", "detect", "isolation", "pbe_cifar10",
+           "pbe_ablation_cifar10", "defenses_cifar10", "digits")  # the table scripts (each runs its cells on this grid)
 RETRIES = 3  # Ray: how often a cell whose worker died is run again
 OBJECT_STORE_BYTES = 256 * 2 ** 20  # a local Ray instance: rows are small, the default (30 % of RAM) is not
 
@@ -77,14 +79,24 @@ def run_one(script: str, params: dict) -> dict:
     return module(script).run_cell(**params)
 
 
-def pending(table, cells: list[Cell]) -> list[Cell]:
-    """The cells without a row (on a zoo model: without one made on its committed weights)."""
+def pending(table, cells: list[Cell], stale=None) -> list[Cell]:
+    """The cells without a row (on a zoo model: without one made on its committed weights; with a
+    script's ``stale(row)``: without one it still accepts, e.g. made by the current method)."""
     todo = []
     for c in cells:
         row = table.find(**c.key)
-        if row is None or (c.zoo is not None and row.get("zoo_sha256") != zoo.row(c.zoo)["sha256"]):
+        if row is None or (c.zoo is not None and row.get("zoo_sha256") != zoo.row(c.zoo)["sha256"]) or \
+                (stale is not None and stale(row)):
             todo.append(c)
     return todo
+
+
+def median_cost(table, default: float, **match) -> float:
+    """The median epoch-equivalents of the table's rows with these key values (`default` without any):
+    a cell's cost estimate."""
+    costs = [r["epoch_equivalents"] for r in table.rows
+             if r.get("epoch_equivalents") and all(r.get(k) == v for k, v in match.items())]
+    return statistics.median(costs) if costs else default
 
 
 def seconds_per_epoch_equivalent(table) -> float | None:
@@ -103,10 +115,10 @@ def execute(cfg: dict, executor: str = "local", address: str | None = None, only
     cells = mod.cells(cfg)
     if only:
         cells = [c for c in cells if any(fnmatch.fnmatch(c.name, p) or p in c.name for p in only)]
-    todo = pending(table, cells)
+    todo = pending(table, cells, getattr(mod, "stale", None))
     rate = seconds_per_epoch_equivalent(table)
     total = sum(c.estimate for c in todo)
-    print(f"{cfg['script']}: {len(cells)} cells, {len(cells) - len(todo)} done, {len(todo)} to run, about "
+    print(f"{table.json_path.stem}: {len(cells)} cells, {len(cells) - len(todo)} done, {len(todo)} to run, about "
           f"{total:.1f} epoch-equivalents" + (f" (~{total * rate / 3600:.1f} h at this table's median "
                                               f"{rate:.0f} s per epoch-equivalent)" if rate else ""), flush=True)
     if dry_run:

@@ -2,7 +2,7 @@
 model, the per-label silhouettes of the activation clusters, the labels flagged, how much each
 candidate cluster's estimated trigger moves the model, and the precision / recall of the suspected
 samples against the true poison indices (used for this table only). Models with a row on the
-committed weights are skipped.
+committed weights are skipped (and rows made before the whole-label test where nothing was flagged).
 
     python experiments/isolation.py [--set dev] [--dataset cifar10] [--only badnets_a2a] [--seed 0]
 
@@ -15,7 +15,8 @@ import argparse
 import time
 
 import torch
-from common import RESULTS, add_zoo_args, same_zoo_model, selected_zoo_models, zoo_cell
+from common import RESULTS, add_zoo_args, built_zoo_models, zoo_cell
+from grid import Cell, execute, median_cost
 
 from pbe import zoo
 from pbe.models import penultimate
@@ -53,10 +54,52 @@ class IsolationTable(ResultsTable):
                 ("epoch-eq.", lambda r: fixed(r["epoch_equivalents"])), ("wall s", lambda r: fixed(r["wall_s"], 0))]
 
 
-def results_table() -> IsolationTable:
+def results_table(cfg: dict | None = None) -> IsolationTable:
     """This script's table (``experiments/render.py`` re-renders it)."""
     return IsolationTable(RESULTS / "isolation", "Poison isolation on the zoo (training set, no clean data)",
                           "python experiments/isolation.py")
+
+
+CONFIG = {"set": None, "dataset": None, "only": None, "seeds": [0]}
+DEFAULT_ESTIMATE = 0.4  # epoch-equivalents of an isolation without a row yet
+
+
+def stale(row: dict) -> bool:
+    """Rows made before the whole-label test (step 4), where no cluster was flagged, are redone."""
+    return not row["flagged"] and "whole_label" not in row
+
+
+def cells(cfg: dict) -> list[Cell]:
+    table = results_table(cfg)
+    return [Cell("isolation", f"{e.name} isolation seed {seed}", zoo_cell(e, "isolate", "train", seed),
+                 {"name": e.name, "seed": seed}, median_cost(table, DEFAULT_ESTIMATE, dataset=e.dataset), zoo=e.name)
+            for e in built_zoo_models(cfg["set"], cfg["dataset"], cfg["only"], infected=False) for seed in cfg["seeds"]]
+
+
+def run_cell(name: str, seed: int) -> dict:
+    """One row: ``pbe.isolation.isolate`` on a zoo model's training set, scored against its poison indices."""
+    entry = zoo.get(name)
+    z = zoo.load(name)
+    start = time.time()
+    data = z.train_set
+    feats = penultimate(z.model, data.images)
+    iso, passes = isolate(z.model, data.images, data.labels, feats, torch.Generator().manual_seed(seed), seed)
+    poison = torch.zeros(len(data), dtype=torch.bool)
+    indices = getattr(data, "poison_indices", None)
+    if indices is not None:
+        poison[indices] = True
+    s = iso.suspected
+    precision = float(poison[s].float().mean()) if s.any() else None
+    recall = float(s[poison].float().mean()) if poison.any() else None
+    print(f"{name}: flagged {iso.flagged} whole label {iso.whole_label} suspected {int(s.sum())} "
+          f"precision {precision} recall {recall}", flush=True)
+    r = z.row
+    return {**zoo_cell(entry, "isolate", "train", seed), "acc": r["acc"], "asr": r["asr"], "ra": r["ra"],
+            "acc_before": None, "asr_before": None, "ra_before": None, "der": None, "detection": None,
+            **iso.as_dict(), "precision": precision, "recall": recall, "poison": int(poison.sum()),
+            "wall_s": round(time.time() - start, 1), "epoch_equivalents": (len(data) + passes) / 3 / len(data),
+            "command": f"python experiments/isolation.py --only {name} --seed {seed}",
+            "hardware": hardware_string(), "toolkit_version": toolkit_version(), "zoo_sha256": r["sha256"]}
 
 
 def main() -> None:
@@ -64,37 +107,8 @@ def main() -> None:
     add_zoo_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    table = results_table()
-    for entry in selected_zoo_models(args):
-        name = entry.name
-        cell = zoo_cell(entry, "isolate", "train", args.seed)
-        old = table.find(**cell)
-        if same_zoo_model(old, entry) and (old["flagged"] or "whole_label" in old):  # else: made before step 4
-            print(f"skip {name}: already in the table", flush=True)
-            continue
-        z = zoo.load(name)
-        start = time.time()
-        data = z.train_set
-        feats = penultimate(z.model, data.images)
-        iso, passes = isolate(z.model, data.images, data.labels, feats, torch.Generator().manual_seed(args.seed),
-                              args.seed)
-        poison = torch.zeros(len(data), dtype=torch.bool)
-        indices = getattr(data, "poison_indices", None)
-        if indices is not None:
-            poison[indices] = True
-        s = iso.suspected
-        precision = float(poison[s].float().mean()) if s.any() else None
-        recall = float(s[poison].float().mean()) if poison.any() else None
-        r = z.row
-        table.add({**cell, "acc": r["acc"], "asr": r["asr"], "ra": r["ra"], "acc_before": None, "asr_before": None,
-                   "ra_before": None, "der": None, "detection": None, **iso.as_dict(), "precision": precision,
-                   "recall": recall, "poison": int(poison.sum()), "wall_s": round(time.time() - start, 1),
-                   "epoch_equivalents": (len(data) + passes) / 3 / len(data),
-                   "command": f"python experiments/isolation.py --only {name} --seed {args.seed}",
-                   "hardware": hardware_string(), "toolkit_version": toolkit_version(), "zoo_sha256": r["sha256"]})
-        print(f"{name}: flagged {iso.flagged} whole label {iso.whole_label} suspected {int(s.sum())} "
-              f"precision {precision} recall {recall}",
-              flush=True)
+    execute({"script": "isolation", "set": args.zoo_set, "dataset": args.dataset, "only": args.only,
+             "seeds": [args.seed]}, progress=False)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from common import RESULTS, built_zoo_models, same_zoo_model, zoo_cell
+from common import RESULTS, built_zoo_models, zoo_cell
+from grid import Cell, execute, median_cost
 
 from pbe import zoo
 from pbe.adversarial import PGDConfig, UniversalConfig
 from pbe.defenses import SCHEDULES, Evaluation, erase
 from pbe.results import ResultsTable, fixed, pct
-from pbe.utils import hardware_string, toolkit_version
+from pbe.utils import PBEError, hardware_string, toolkit_version
 
 FAST = SCHEDULES["fast"]
 UNI_L2 = UniversalConfig(kind="l2", eps=4.0)
@@ -170,56 +171,78 @@ class AblationTable(ResultsTable):
         return "Variants:\n\n" + "\n".join(f"- **{v}**: {w}" for v, w in what.items())
 
 
-def results_table() -> AblationTable:
+def results_table(cfg: dict | None = None) -> AblationTable:
     """This script's table (``experiments/render.py`` re-renders it)."""
     return AblationTable(RESULTS / "pbe_ablation_cifar10", "PBE ablation on the CIFAR-10 dev zoo",
                          "python experiments/pbe_ablation_cifar10.py")
 
 
+# "pairs": only these "zoo-name variant" cells (the table's own list: the variants were tried where they
+# mattered, not on every model); without it, every variant on every model `only` selects
+CONFIG = {"only": None, "variants": [v for v in VARIANTS if v != "paper"], "seeds": [0], "pairs": None}
+DEFAULT_ESTIMATE = 3.0  # epoch-equivalents of a variant without a row yet (PBE's cost goal)
+
+
+def cells(cfg: dict) -> list[Cell]:
+    unknown = set(cfg["variants"]) - set(VARIANTS)
+    if unknown:
+        raise PBEError(f"pbe_ablation_cifar10: unknown variants {sorted(unknown)}; see VARIANTS in the script")
+    table = results_table(cfg)
+    out = []
+    # clean models too: what the defaults cost a model that has no backdoor (ACC only)
+    pairs = None if cfg["pairs"] is None else {tuple(p.split()) for p in cfg["pairs"]}
+    if pairs is not None and {v for _, v in pairs} - set(VARIANTS):
+        raise PBEError(f"pbe_ablation_cifar10: unknown variants in pairs: {sorted({v for _, v in pairs} - set(VARIANTS))}")
+    for entry in built_zoo_models("dev", "cifar10", cfg["only"], infected=False):
+        for variant in cfg["variants"] if pairs is None else [v for n, v in sorted(pairs) if n == entry.name]:
+            if variant.endswith(ORACLE) and (not entry.infected or entry.all_to_all or entry.target is None):
+                continue  # no single target to give
+            for seed in cfg["seeds"]:
+                out.append(Cell("pbe_ablation_cifar10", f"{entry.name} {variant} seed {seed}",
+                                zoo_cell(entry, "pbe", "no-clean", seed, schedule=f"ablation:{variant}"),
+                                {"name": entry.name, "variant": variant, "seed": seed},
+                                median_cost(table, DEFAULT_ESTIMATE, variant=variant), zoo=entry.name))
+    return out
+
+
+def run_cell(name: str, variant: str, seed: int) -> dict:
+    """One row: PBE with one variant's schedule on a dev-set zoo model (oracle variants: given the target)."""
+    entry = zoo.get(name)
+    z = zoo.load(name)
+    what, schedule = VARIANTS[variant]
+    oracle = variant.endswith(ORACLE)
+    _, report = erase(z.model, z.train_set, schedule, seed=seed, progress=False,
+                      evaluation=Evaluation(z.test_set, z.attack, getattr(z.train_set, "poison_indices", None)),
+                      target=z.attack.target if oracle else None)
+    b, a = report["before"], report["after"]
+    asr = "" if b["asr"] is None else f" asr {b['asr']:.4f}->{a['asr']:.4f}"
+    print(f"{name} {variant}: acc {b['acc']:.4f}->{a['acc']:.4f}{asr} "
+          f"ee {report['epoch_equivalents']:.2f} wall {report['wall_s']:.0f}s", flush=True)
+    return {**zoo_cell(entry, "pbe", "no-clean", seed, schedule=f"ablation:{variant}"),
+            "acc": a["acc"], "asr": a["asr"], "ra": a["ra"], "acc_before": b["acc"],
+            "asr_before": b["asr"], "ra_before": b["ra"], "der": report.get("der"),
+            "detection": report["rounds"][-1].get("detection"), "wall_s": report["wall_s"],
+            "epoch_equivalents": report["epoch_equivalents"],
+            "command": f"python experiments/pbe_ablation_cifar10.py --only {name} --variants {variant} --seed {seed}",
+            "hardware": hardware_string(), "toolkit_version": toolkit_version(),
+            "zoo_sha256": z.row["sha256"], "variant": variant, "what": what,
+            "schedule_fields": report["schedule"], "stopped_early": report["stopped_early"],
+            "per_round": [{k: rd.get(k) for k in ("round", "subset_size", "metrics", "detection",
+                                                   "epoch_equivalents", "relabelled", "relabelled_poison")}
+                          for rd in report["rounds"]],
+            "scan": report.get("scan"), "acc_drop_estimate": report.get("acc_drop_estimate"),
+            "universal_calibration": report.get("universal_calibration"),
+            "isolation": report.get("isolation"), "target_given": oracle, "target_used": report.get("target")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="dev-set zoo names or attacks")
-    ap.add_argument("--variants", nargs="*", default=[v for v in VARIANTS if v != "paper"], choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="*", default=CONFIG["variants"], choices=list(VARIANTS))
     ap.add_argument("--seed", type=int, default=0, help="seed of the defence")
     args = ap.parse_args()
-    table = results_table()
-    # clean models too: what the defaults cost a model that has no backdoor (ACC only)
-    for entry in built_zoo_models("dev", "cifar10", args.only, infected=False):
-        z = None
-        for variant in args.variants:
-            cell = zoo_cell(entry, "pbe", "no-clean", args.seed, schedule=f"ablation:{variant}")
-            if same_zoo_model(table.find(**cell), entry):
-                print(f"skip {entry.name} {variant}: already in the table")
-                continue
-            z = z or zoo.load(entry.name)
-            what, schedule = VARIANTS[variant]
-            oracle = variant.endswith(ORACLE)
-            if oracle and (z.attack is None or z.attack.all_to_all or z.attack.target is None):
-                print(f"skip {entry.name} {variant}: no single target to give")
-                continue
-            _, report = erase(z.model, z.train_set, schedule, seed=args.seed, progress=False,
-                              evaluation=Evaluation(z.test_set, z.attack, getattr(z.train_set, "poison_indices", None)),
-                              target=z.attack.target if oracle else None)
-            b, a = report["before"], report["after"]
-            table.add({**cell, "acc": a["acc"], "asr": a["asr"], "ra": a["ra"], "acc_before": b["acc"],
-                       "asr_before": b["asr"], "ra_before": b["ra"], "der": report.get("der"),
-                       "detection": report["rounds"][-1].get("detection"), "wall_s": report["wall_s"],
-                       "epoch_equivalents": report["epoch_equivalents"],
-                       "command": f"python experiments/pbe_ablation_cifar10.py --only {entry.name} --variants "
-                                  f"{variant} --seed {args.seed}",
-                       "hardware": hardware_string(), "toolkit_version": toolkit_version(),
-                       "zoo_sha256": z.row["sha256"], "variant": variant, "what": what,
-                       "schedule_fields": report["schedule"], "stopped_early": report["stopped_early"],
-                       "per_round": [{k: rd.get(k) for k in ("round", "subset_size", "metrics", "detection",
-                                                              "epoch_equivalents", "relabelled", "relabelled_poison")}
-                                     for rd in report["rounds"]],
-                       "scan": report.get("scan"), "acc_drop_estimate": report.get("acc_drop_estimate"),
-                       "universal_calibration": report.get("universal_calibration"),
-                       "isolation": report.get("isolation"),
-                       "target_given": oracle, "target_used": report.get("target")})
-            asr = "" if b["asr"] is None else f" asr {b['asr']:.4f}->{a['asr']:.4f}"
-            print(f"{entry.name} {variant}: acc {b['acc']:.4f}->{a['acc']:.4f}{asr} "
-                  f"ee {report['epoch_equivalents']:.2f} wall {report['wall_s']:.0f}s", flush=True)
+    execute({"script": "pbe_ablation_cifar10", "only": args.only, "variants": args.variants, "seeds": [args.seed]},
+            progress=False)
 
 
 if __name__ == "__main__":

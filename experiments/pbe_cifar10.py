@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
-from common import RESULTS, ROOT, RUNS, DefenceTable, data_args, defence_row, zoo_cell, zoo_models
+from common import RESULTS, ROOT, RUNS, DefenceTable, built_zoo_models, data_args, defence_row, zoo_cell
 from common import run_cell as run_command
-from grid import Cell, execute
+from grid import Cell, execute, median_cost
 
 from pbe import zoo
 from pbe.defenses.pbe import DEFAULT_SCHEDULE
@@ -37,17 +36,13 @@ def cells(cfg: dict) -> list[Cell]:
     table = results_table(cfg)
     runs = [("pbe", "no-clean", s) for s in cfg["schedules"]] + ([("aft", "clean-extra", "aft")] if cfg["aft"] else [])
     out = []
-    for entry in zoo_models(cfg["set"], cfg["dataset"], cfg["only"]):
-        if not zoo.is_built(entry.name):
-            print(f"skip {entry.name}: not in the zoo yet (pbe zoo build {entry.name})", flush=True)
-            continue
+    for entry in built_zoo_models(cfg["set"], cfg["dataset"], cfg["only"]):
         for seed in cfg["seeds"]:
             for defense, setting, schedule in runs:
-                costs = [r["epoch_equivalents"] for r in table.rows if r.get("schedule") == schedule]
                 out.append(Cell("pbe_cifar10", f"{entry.name} {defense} {schedule} seed {seed}",
                                 zoo_cell(entry, defense, setting, seed, schedule=schedule),
                                 {"name": entry.name, "defense": defense, "schedule": schedule, "seed": seed},
-                                statistics.median(costs) if costs else DEFAULT_ESTIMATE, zoo=entry.name))
+                                median_cost(table, DEFAULT_ESTIMATE, schedule=schedule), zoo=entry.name))
     return out
 
 

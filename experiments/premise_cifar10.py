@@ -13,7 +13,8 @@ import argparse
 import time
 
 import torch
-from common import RESULTS, same_zoo_model, zoo_cell, zoo_models
+from common import RESULTS, built_zoo_models, zoo_cell
+from grid import Cell, execute, median_cost
 
 from pbe import models, zoo
 from pbe.activations import neuron_overlap, probe_indices
@@ -73,8 +74,10 @@ class PremiseTable(ResultsTable):
         return fig
 
 
-def measure(entry: zoo.Entry, probe: int, seed: int) -> dict:
-    z = zoo.load(entry.name)
+def run_cell(name: str, probe: int, seed: int) -> dict:
+    """One row: the premise probe (every family) and the neuron overlap on a zoo model."""
+    entry = zoo.get(name)
+    z = zoo.load(name)
     start = time.time()
     test = z.test_set
     keep = torch.ones(len(test), dtype=torch.bool)
@@ -105,10 +108,22 @@ def measure(entry: zoo.Entry, probe: int, seed: int) -> dict:
             "probe_indices": idx.tolist(), "measurements": shares, "overlap": overlap}
 
 
-def results_table() -> PremiseTable:
+def results_table(cfg: dict | None = None) -> PremiseTable:
     """This script's table (``experiments/render.py`` re-renders it)."""
     return PremiseTable(RESULTS / "premise_cifar10", "PBE's premise per zoo model (CIFAR-10)",
                         "python experiments/premise_cifar10.py")
+
+
+CONFIG = {"set": None, "dataset": "cifar10", "only": None, "probe": 500, "seeds": [0]}
+DEFAULT_ESTIMATE = 0.3  # epoch-equivalents of a premise row without one yet
+
+
+def cells(cfg: dict) -> list[Cell]:
+    table = results_table(cfg)
+    return [Cell("premise_cifar10", f"{e.name} premise seed {seed}", zoo_cell(e, "none", None, seed),
+                 {"name": e.name, "probe": cfg["probe"], "seed": seed}, median_cost(table, DEFAULT_ESTIMATE),
+                 zoo=e.name)
+            for e in built_zoo_models(cfg["set"], cfg["dataset"], cfg["only"], infected=False) for seed in cfg["seeds"]]
 
 
 def main() -> None:
@@ -120,19 +135,8 @@ def main() -> None:
     ap.add_argument("--dataset", default="cifar10", help="zoo models of this dataset (default cifar10)")
     args = ap.parse_args()
     use_all_cpus()
-    table = results_table()
-    for entry in zoo_models(args.zoo_set, args.dataset, args.only, infected=False):
-        if not zoo.is_built(entry.name):
-            print(f"skip {entry.name}: not built yet")
-            continue
-        if same_zoo_model(table.find(**zoo_cell(entry, "none", None, args.seed)), entry):
-            print(f"skip {entry.name}: already in the table")
-            continue
-        row = measure(entry, args.probe, args.seed)
-        table.add(row)
-        print(entry.name, " ".join(f"{m['label']}:{m['target_share'] if m['target_share'] is None else round(100 * m['target_share'])}"
-                                   f"/{m['expected_share'] if m['expected_share'] is None else round(100 * m['expected_share'])}"
-                                   for m in row["measurements"]), f"wall {row['wall_s']}s", flush=True)
+    execute({"script": "premise_cifar10", "set": args.zoo_set, "dataset": args.dataset, "only": args.only,
+             "probe": args.probe, "seeds": [args.seed]}, progress=False)
 
 
 if __name__ == "__main__":

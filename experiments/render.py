@@ -6,21 +6,15 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 
-from grid import HERE, load_config, module
-
-# the experiment scripts that own a table (each has ``results_table()``); the grid's configs may add more
-# tables of the same scripts (pbe_gtsrb from pbe_cifar10.py)
-SCRIPTS = ("clean_cifar10", "attacks_cifar10", "premise_cifar10", "scan_families", "detect", "isolation",
-           "pbe_cifar10", "pbe_ablation_cifar10", "defenses_cifar10", "digits")
+from grid import HERE, SCRIPTS, load_config, module
 
 
 def tables() -> dict:
     """Every table, by the stem of its JSON file."""
     found = {}
     for name in SCRIPTS:
-        table = importlib.import_module(name).results_table()
+        table = module(name).results_table()
         found[table.json_path.stem] = table
     for path in sorted((HERE / "configs").glob("*.yaml")):
         cfg = load_config(path)
