@@ -134,6 +134,12 @@ VARIANTS = {
                             "label's samples stay out of round 2 as well (on clean-label "
                             "SIG, re-admitting them in round 2 raised ASR from 0.80 to 3.61 %: every one carries the "
                             "trigger with the target label)", replace(TARGETED_V5, whole_label="exclude")),
+    "named_trigger": ("the default + where the scan names a target, the isolation runs too, and a poison cluster "
+                      "it confirms in that label adds its estimated trigger to the universal share beside the "
+                      "optimised perturbation (a third of every batch, split between them); refusal and "
+                      "relabelling stay the named target's (isolate_named, which replaced the perturbation and "
+                      "refused only the cluster, left Blend at 3.48 %)",
+                      replace(SCHEDULES["targeted"], named_trigger=True)),
     "whole_label_trigger_half": ("whole_label_trigger with the estimated trigger on half of every batch (a third: "
                                  "the target's samples, all carrying the trigger, still make it predict the target)",
                                  replace(TARGETED_V5, whole_label="trigger", universal_share=0.5)),

@@ -137,9 +137,9 @@ def test_pbe_isolate_refuses_unlearns_and_relabels_the_isolated_poison(toy):
     seen = []
     real = defense.adversarial_finetune
 
-    def spy(m, data, epochs, adv_batches, sched, ctx, desc, target=None, trigger=None):
+    def spy(m, data, epochs, adv_batches, sched, ctx, desc, target=None, trigger=None, *rest):
         seen.append(trigger)
-        return real(m, data, epochs, adv_batches, sched, ctx, desc, target, trigger)
+        return real(m, data, epochs, adv_batches, sched, ctx, desc, target, trigger, *rest)
 
     def run(schedule):
         with pytest.MonkeyPatch.context() as mp:
@@ -274,9 +274,9 @@ def test_pbe_whole_label_unlearns_the_estimated_trigger_and_never_relabels(clean
     seen = []
     real = defense.adversarial_finetune
 
-    def spy(m, d, epochs, adv_batches, sched, ctx, desc, target=None, trigger=None):
+    def spy(m, d, epochs, adv_batches, sched, ctx, desc, target=None, trigger=None, *rest):
         seen.append(trigger)
-        return real(m, d, epochs, adv_batches, sched, ctx, desc, target, trigger)
+        return real(m, d, epochs, adv_batches, sched, ctx, desc, target, trigger, *rest)
     s = replace(DIGITS_SCHEDULE, adv_share=0.0, crop_padding=0, probe_size=100, universal_share=1 / 3, isolate=True,
                 relabel_suspected=True, relabel_all_isolated=True, refuse_suspected=True, early_stop=False,
                 fractions=(0.3, 0.5), epochs=(4, 2), adv_batches=(None, None), lr=0.1, whole_label=mode)
@@ -301,3 +301,42 @@ def test_pbe_whole_label_unlearns_the_estimated_trigger_and_never_relabels(clean
     with pytest.raises(PBEError, match="whole_label"):
         replace(s, whole_label="yes")
     assert (predict(purified, lit) == TARGET).float().mean() < 0.3 < (predict(plain, lit) == TARGET).float().mean()
+
+
+def test_named_trigger_adds_the_cluster_trigger_beside_the_optimised_perturbations(toy):
+    """`named_trigger`: with a target named, a poison cluster confirmed in it adds its estimated trigger
+    to the universal share; the optimised perturbations stay, and so does the named target's refusal
+    (its whole label out of round 1). Naming another label finds no cluster there: no trigger."""
+    import pbe.defenses.pbe as defense
+    from pbe.adversarial import UniversalConfig
+    from pbe.defenses import erase
+    from pbe.demo import DIGITS_SCHEDULE
+    model, _, poisoned, _ = toy
+    seen, universal_parts, trigger_parts = [], [], []
+    real_finetune, real_universal = defense.adversarial_finetune, defense.apply_universal
+
+    def spy(m, d, epochs, adv_batches, sched, ctx, desc, target=None, trigger=None, combine=False):
+        seen.append((trigger is not None, combine))
+        if trigger is not None:
+            real_apply = trigger.apply
+            trigger.apply = lambda x: trigger_parts.append(len(x)) or real_apply(x)
+        return real_finetune(m, d, epochs, adv_batches, sched, ctx, desc, target, trigger, combine)
+    s = replace(DIGITS_SCHEDULE, adv_share=0.0, crop_padding=0, probe_size=100, isolate=True, named_trigger=True,
+                universal=UniversalConfig(kind="l2", eps=0.5, epochs=1), universal_share=1 / 3, universal_images=64,
+                universal_target=True, refuse_suspected=True, early_stop=False, fractions=(0.3,), epochs=(1,),
+                adv_batches=(None,), lr=0.01)
+
+    def run(target):
+        seen.clear(), universal_parts.clear(), trigger_parts.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(defense, "adversarial_finetune", spy)
+            mp.setattr(defense, "apply_universal", lambda x, *a: universal_parts.append(len(x)) or real_universal(x, *a))
+            return erase(model, poisoned, s, seed=0, progress=False, target=target)
+    _, report = run(TARGET)
+    assert report["isolation"]["flagged"] == [TARGET] and seen == [(True, True)]
+    assert universal_parts and trigger_parts  # both parts of the universal share, every batch
+    assert abs(sum(universal_parts) - sum(trigger_parts)) <= len(universal_parts)  # halves
+    round1 = poisoned.labels[report["rounds"][0]["subset_indices"]]
+    assert not (round1 == TARGET).any()  # the named target's refusal, not the cluster's
+    _, other = run(TARGET + 1)
+    assert seen == [(False, False)] and universal_parts and not trigger_parts

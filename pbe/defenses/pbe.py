@@ -77,7 +77,10 @@ class Schedule:
     round with it: poison-label backdoors without one small universal perturbation, e.g. all-to-all
     BadNets or poison-label SIG). `isolate_named`: the same where a target is named, when the
     isolation confirms a poison cluster in that label (its estimated trigger then replaces the optimised
-    universal perturbations, and only the cluster is refused). `relabel_all_isolated` (with
+    universal perturbations, and only the cluster is refused). `named_trigger`: where a target is
+    named, the isolation runs too, and a poison cluster it confirms in that label adds its estimated
+    trigger to the universal share beside the optimised perturbations (refusal and relabelling stay the
+    named target's). `relabel_all_isolated` (with
     `relabel_suspected`): every isolated sample, not only those the purification moved confidently,
     joins the next round with the purified model's most likely label other than its own (the
     isolation confirmed it as poison, whose label is the attacker's)."""
@@ -110,6 +113,7 @@ class Schedule:
     target_min_z: float = 0.0  # if its robust z reaches this
     isolate: bool = False  # no target named: refuse, unlearn and relabel the isolated poison cluster
     isolate_named: bool = False  # isolate also where a target is named (a cluster of that label then decides)
+    named_trigger: bool = False  # ... or only add that cluster's estimated trigger to the universal share
     relabel_all_isolated: bool = False  # every isolated sample joins round 2 with its best other label
     whole_label: str = "off"  # isolation's whole poisoned label (clean-label): "trigger" unlearns its estimated
     #                           trigger; "refuse" also names it the target (its samples out of round 1);
@@ -215,16 +219,17 @@ class AdversarialBatches:
     the epoch's universal perturbation (``new_epoch`` re-optimises it). Labels stay the samples' own."""
 
     def __init__(self, model: nn.Module, data: ImageDataset, s: Schedule, adv_batches: int | None, ctx: Context,
-                 target: int | None = None, trigger: EstimatedTrigger | None = None):
+                 target: int | None = None, trigger: EstimatedTrigger | None = None, combine: bool = False):
         self.model, self.data, self.s, self.adv_batches, self.ctx = model, data, s, adv_batches, ctx
         self.target = target if s.universal_target else None
         self.pgd_target = target if s.pgd_targeted else None
-        self.trigger = trigger  # a fixed estimated trigger in place of the optimised perturbations
+        self.trigger = trigger  # a fixed estimated trigger in place of the optimised perturbations,
+        self.combine = combine and trigger is not None  # or one more part of the universal share beside them
         self.done, self.deltas = 0, []
 
     def new_epoch(self, epoch: int) -> None:
         s = self.s
-        if s.universal_share == 0 or self.trigger is not None:
+        if s.universal_share == 0 or (self.trigger is not None and not self.combine):
             return
         labels = self.data.labels
         pool = torch.arange(len(self.data)) if self.target is None else (labels != self.target).nonzero()[:, 0]
@@ -245,23 +250,24 @@ class AdversarialBatches:
                 self.ctx.cost.forward_backward += n_adv * s.pgd.steps
             self.done += 1
         end = min(len(x), n_adv + round(s.universal_share * len(x)))  # the universal share follows the PGD one
+        # the batch is shuffled: any slice is a random share; one part per family, and one for the trigger
+        parts = [lambda v, d=delta, c=cfg: apply_universal(v, d, c, self.ctx.gen)
+                 for delta, cfg in zip(self.deltas, s.universals)]
         if self.trigger is not None:
-            x = torch.cat([x[:n_adv], self.trigger.apply(x[n_adv:end]), x[end:]])
-        elif self.deltas:  # the batch is shuffled: any slice is a random share; one part per family
-            bounds = torch.linspace(n_adv, end, len(self.deltas) + 1).round().long().tolist()
-            parts = [apply_universal(x[a:b], delta, cfg, self.ctx.gen)
-                     for a, b, delta, cfg in zip(bounds, bounds[1:], self.deltas, s.universals)]
-            x = torch.cat([x[:n_adv], *parts, x[end:]])
+            parts = parts + [self.trigger.apply] if self.combine else [self.trigger.apply]
+        if parts:
+            bounds = torch.linspace(n_adv, end, len(parts) + 1).round().long().tolist()
+            x = torch.cat([x[:n_adv], *[f(x[a:b]) for a, b, f in zip(bounds, bounds[1:], parts)], x[end:]])
         return x
 
 
 def adversarial_finetune(model: nn.Module, data: ImageDataset, epochs: int, adv_batches: int | None, s: Schedule,
                          ctx: Context, desc: str, target: int | None = None,
-                         trigger: EstimatedTrigger | None = None) -> None:
+                         trigger: EstimatedTrigger | None = None, combine: bool = False) -> None:
     """Fine-tune on `data` with the shared loop, the adversarial batches of `s` and its constant lr
     (`target`: the suspected label, for ``s.universal_target``; `trigger`: an estimated trigger for the
-    universal share)."""
-    batches = AdversarialBatches(model, data, s, adv_batches, ctx, target, trigger)
+    universal share, in place of the optimised perturbations or, with `combine`, beside them)."""
+    batches = AdversarialBatches(model, data, s, adv_batches, ctx, target, trigger, combine)
     sgd_finetune(model, data, ctx, epochs=epochs, lr=s.lr, batch_size=s.batch_size, momentum=s.momentum,
                  weight_decay=s.weight_decay, crop_padding=s.crop_padding, lr_schedule=s.lr_schedule,
                  transform=batches, on_epoch=batches.new_epoch, desc=desc)
@@ -405,23 +411,25 @@ class PBE(Defense):
             target = scan.top_label if from_scan else target
             flagged = scan.suspected and scan.label == target  # evidence that early stop can watch
         report["target"] = target
-        iso, trigger, whole = None, None, False
-        if s.isolate and (target is None or s.isolate_named):
+        iso, trigger, whole, combine, named = None, None, False, False, target is not None
+        if s.isolate and (not named or s.isolate_named or s.named_trigger):
             if feats is None:
                 report["isolation"] = "skipped: the model has no nn.Linear head to read features from"
             else:  # its own generator: a run where nothing is isolated draws exactly as without this lever
                 iso, passes = isolate(original, data.images, data.labels, feats,
                                       torch.Generator().manual_seed(ctx.seed), ctx.seed,
-                                      whole_label=s.whole_label != "off" and target is None)
+                                      whole_label=s.whole_label != "off" and not named)
                 ctx.cost.forward += passes
                 report["isolation"] = iso.as_dict()
-                if target is not None:  # a named target: only a poison cluster of that label counts
+                if named:  # a named target: only a poison cluster of that label counts
                     iso.suspected &= data.labels == target
                 trigger = iso.trigger if iso.suspected.any() or iso.whole_label is not None else None
                 whole = iso.whole_label is not None
                 if whole and s.whole_label in ("refuse", "exclude"):  # true labels: refused, never relabelled
                     target = report["target"] = iso.whole_label
-                iso = iso if iso.suspected.any() else None
+                if named and not s.isolate_named:  # named_trigger: the cluster's trigger joins, nothing else changes
+                    combine, iso = trigger is not None, None
+                iso = iso if iso is not None and iso.suspected.any() else None
         # the samples PBE distrusts: the suspected target's, or the isolated poison
         suspect = iso.suspected if iso is not None else None if target is None else data.labels == target
         if s.family_from_scan and (flagged or from_scan) and scan.evidence in SCAN_FAMILIES:
@@ -430,7 +438,7 @@ class PBE(Defense):
                 s = s.with_universals(kept)
                 report["families"] = [c.kind for c in kept]
         calibrate = s.universal_reach > 0 and s.universal is not None and s.universal_target and target is not None \
-            and trigger is None
+            and (trigger is None or combine)
         base = s  # the budgets every calibration doubles from
         if calibrate:
             cfgs, report["universal_calibration"] = calibrate_universal(original, data, target, base, ctx)
@@ -448,7 +456,7 @@ class PBE(Defense):
                 report["rounds"][-1]["universal_calibration_next"] = tried
             trained[subset] = True
             adversarial_finetune(model, train_view.subset(subset), s.epochs[t], s.adv_batches[t], s, ctx,
-                                 f"PBE round {t + 1}/{len(s.fractions)}", target, trigger)
+                                 f"PBE round {t + 1}/{len(s.fractions)}", target, trigger, combine)
             z = predict(model, data.images, return_logits=True)
             ctx.cost.forward += n
             suspicion = 0.5 - 0.5 * F.cosine_similarity(z0, z, dim=1)  # higher = more suspicious
