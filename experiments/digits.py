@@ -4,7 +4,7 @@ model (``pbe attack``, shared by the cell's defences) and the defence run by the
 registered defaults (``pbe defend``). The smallest complete table: what the CI's Ray test runs, and a
 check of the command-line defaults on a dataset they were not chosen on.
 
-    python experiments/digits.py [--attacks badnets blend] [--defenses pbe ft] [--seeds 0 1]
+    python experiments/digits.py [--attacks badnets blend] [--defenses pbe ft] [--rates 0.1 0.05] [--seeds 0 1]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from grid import Cell, execute
 
 from pbe.defenses import REGISTRY
 
-CONFIG = {"attacks": ["badnets", "blend"], "defenses": ["pbe", "ft"], "seeds": [0], "rate": 0.1, "target": 0}
+CONFIG = {"attacks": ["badnets", "blend"], "defenses": ["pbe", "ft"], "seeds": [0], "rates": [0.1], "target": 0}
 RECIPE, MODEL = "tiny", "small_cnn"
 ESTIMATE = 1.0  # epoch-equivalents of a digits cell without a row of its defence yet
 CLEAN_FRACTION = 0.05
@@ -28,8 +28,8 @@ def results_table(cfg: dict | None = None) -> DefenceTable:
                         "python experiments/digits.py (or python experiments/reproduce.py experiments/configs/digits.yaml)")
 
 
-def _key(attack: str, defense: str, seed: int, cfg: dict) -> dict:
-    return dict(dataset="digits", model=MODEL, recipe=RECIPE, attack=attack, rate=cfg["rate"], target=cfg["target"],
+def _key(attack: str, defense: str, seed: int, rate: float, target: int) -> dict:
+    return dict(dataset="digits", model=MODEL, recipe=RECIPE, attack=attack, rate=rate, target=target,
                 all_to_all=False, defense=defense, setting=REGISTRY[defense].setting, seed=seed)
 
 
@@ -41,12 +41,14 @@ def cells(cfg: dict) -> list[Cell]:
     rows = results_table().rows
     out = []
     for attack in cfg["attacks"]:
-        for seed in cfg["seeds"]:
-            for defense in cfg["defenses"]:
-                costs = [r["epoch_equivalents"] for r in rows if r["defense"] == defense]
-                out.append(Cell("digits", f"digits {attack} {defense} seed {seed}", _key(attack, defense, seed, cfg),
-                                {"attack": attack, "defense": defense, "seed": seed, "rate": cfg["rate"],
-                                 "target": cfg["target"]}, max(costs) if costs else ESTIMATE))
+        for rate in cfg["rates"]:
+            for seed in cfg["seeds"]:
+                for defense in cfg["defenses"]:
+                    costs = [r["epoch_equivalents"] for r in rows if r["defense"] == defense]
+                    out.append(Cell("digits", f"digits {attack} {rate:g} {defense} seed {seed}",
+                                    _key(attack, defense, seed, rate, cfg["target"]),
+                                    {"attack": attack, "defense": defense, "seed": seed, "rate": rate,
+                                     "target": cfg["target"]}, max(costs) if costs else ESTIMATE))
     return out
 
 
@@ -62,9 +64,8 @@ def run_cell(attack: str, defense: str, seed: int, rate: float, target: int) -> 
                      "--poison-from", str(infected), *clean, "--seed", str(seed), "--out", str(out), "--no-progress"],
                     out)
     report = json.loads((ROOT / out / "report.json").read_text())
-    cfg = {"rate": rate, "target": target}
-    return defence_row(_key(attack, defense, seed, cfg), f"{train['command']} && {m['command']}", report, None,
-                       train_wall_s=train["wall_s"],
+    return defence_row(_key(attack, defense, seed, rate, target), f"{train['command']} && {m['command']}", report,
+                       None, train_wall_s=train["wall_s"],
                        detection=report.get("detection") or (report.get("rounds") or [{}])[-1].get("detection"))
 
 
@@ -72,9 +73,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--attacks", nargs="*", default=CONFIG["attacks"])
     ap.add_argument("--defenses", nargs="*", default=CONFIG["defenses"])
+    ap.add_argument("--rates", nargs="*", type=float, default=CONFIG["rates"])
     ap.add_argument("--seeds", nargs="*", type=int, default=CONFIG["seeds"])
     args = ap.parse_args()
-    execute({"script": "digits", "attacks": args.attacks, "defenses": args.defenses, "seeds": args.seeds})
+    execute({"script": "digits", "attacks": args.attacks, "defenses": args.defenses, "rates": args.rates,
+             "seeds": args.seeds})
 
 
 if __name__ == "__main__":

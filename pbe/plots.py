@@ -66,7 +66,7 @@ def defence_bars(rows: list[dict], series) -> object | None:
         return None
     plt = _plt()
     def model(r):
-        return r.get("zoo") or f"{r['attack']} ({r['recipe']})"
+        return r.get("zoo") or f"{r['attack']} {r['rate']:.0%} ({r['recipe']})"
     models = list(dict.fromkeys(model(r) for r in rows))
     names = list(dict.fromkeys(series(r) for r in rows))
     width = 0.8 / len(names)
