@@ -61,7 +61,8 @@ def run_cell(attack: str, defense: str, seed: int, rate: float, target: int) -> 
     out = infected.with_name(f"{infected.name}_{defense}")
     clean = ["--clean-fraction", str(CLEAN_FRACTION)] if REGISTRY[defense].setting == "clean-extra" else []
     m = run_command(["pbe", "defend", "--defense", defense, "--model", str(infected), "--dataset", "digits",
-                     "--poison-from", str(infected), *clean, "--seed", str(seed), "--out", str(out), "--no-progress"],
+                     "--poison-from", str(infected), *clean, "--seed", str(seed), "--out", str(out), "--no-progress",
+                     "--overwrite"],  # the folder caches this cell: a run of other settings is replaced
                     out)
     report = json.loads((ROOT / out / "report.json").read_text())
     return defence_row(_key(attack, defense, seed, rate, target), f"{train['command']} && {m['command']}", report,

@@ -54,6 +54,7 @@ def run_cell(name: str, defense: str, schedule: str, seed: int) -> dict:
     out = RUNS / "pbe_cifar10" / entry.name / f"{defense}_{schedule}_seed{seed}"
     cmd = ["pbe", "erase", "--model", str(src), *data_args(entry), "--setting", setting,
            "--poison-from", str(src), "--seed", str(seed), "--out", str(out), "--no-progress",
+           "--overwrite",  # the folder caches this cell: a run of other settings (an older default) is replaced
            *(["--schedule", schedule] if defense == "pbe" else ["--clean-fraction", str(AFT_CLEAN_FRACTION)])]
     m = run_command(cmd, out)
     report = json.loads((ROOT / out / "report.json").read_text())

@@ -34,6 +34,16 @@ def test_cli_detect_and_erase_no_clean(attack_run, tmp_path):
     assert r.returncode == 0, r.stderr
     default = json.loads((tmp_path / "default" / "metrics.json").read_text())
     assert default["after"]["acc"] > default["before"]["acc"] - 0.05, default
+    # the run is named by the schedule it resolved to: a folder made by another version of the default
+    # (simulated: its recorded lr changed) is another run, not silently reused
+    manifest_path = tmp_path / "default" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["run"]["params"]["schedule"]["fractions"]  # the fields, not only the name
+    manifest["run"]["params"]["schedule"]["lr"] *= 10
+    manifest_path.write_text(json.dumps(manifest))
+    r = run_cli("erase", "--model", str(attack_run), "--setting", "no-clean", "--poison-from", str(attack_run),
+                "--out", str(tmp_path / "default"), "--no-progress")
+    assert r.returncode == 2 and "holds another run" in r.stderr
     r = run_cli("erase", "--model", str(attack_run), "--setting", "no-clean", "--poison-from", str(attack_run),
                 "--schedule", "fast", "--eps", "0.1", "--out", str(tmp_path / "fast"), "--no-progress")
     assert r.returncode == 0, r.stderr

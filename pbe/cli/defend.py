@@ -74,7 +74,7 @@ def run_defense(args, defense) -> dict:
     from pbe.plots import plot_histograms, plot_rounds
     from pbe.utils import hardware_string, write_json
 
-    run = {**_run_identity(args), "defense": defense.name, "params": defense.params}
+    run = {**_run_identity(args), "defense": defense.name, "params": defense.resolved()}
     with output_unit(args, run) as stage:
         if stage is None:
             return json.loads((args.out / "metrics.json").read_text())

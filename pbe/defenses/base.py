@@ -155,6 +155,11 @@ class Defense(ABC):
     def _check(self) -> None:
         """Validate `self.params`; raise PBEError naming the parameter."""
 
+    def resolved(self) -> dict:
+        """Every setting the defence will run with, names resolved (a run folder made with other
+        settings, e.g. an older default schedule of the same name, is another run)."""
+        return self.params
+
     def __repr__(self) -> str:
         changed = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v != self.defaults[k])
         return f"{type(self).__name__}({changed})"

@@ -382,6 +382,9 @@ class PBE(Defense):
             raise PBEError(f"pbe: target must be a label (an int >= 0) or None, got {target!r}")
         super().__init__(schedule=schedule, lr=lr, target=target)
 
+    def resolved(self) -> dict:
+        return {**self.params, "schedule": get_schedule(self.params["schedule"], lr=self.params["lr"]).as_dict()}
+
     def _defend(self, model, data, ctx: Context):
         s = get_schedule(self.params["schedule"], lr=self.params["lr"])
         if len(data) < 10:
