@@ -66,7 +66,7 @@ def run_cell(attack: str, defense: str, seed: int, rate: float, target: int) -> 
                     out)
     report = json.loads((ROOT / out / "report.json").read_text())
     return defence_row(_key(attack, defense, seed, rate, target), f"{train['command']} && {m['command']}", report,
-                       None, train_wall_s=train["wall_s"],
+                       None, train_wall_s=train["wall_s"], params=report["params"],
                        detection=report.get("detection") or (report.get("rounds") or [{}])[-1].get("detection"))
 
 

@@ -115,8 +115,9 @@ class ResultsTable:
             return f"{pct(det['precision'])} / {pct(det['recall'])}" if "precision" in det else "–"
         return [("zoo", lambda r: r.get("zoo") or "–"), ("set", lambda r: r.get("zoo_set") or "–"),
                 ("attack", lambda r: str(r["attack"])),
-                ("target", target_cell), ("defense", lambda r: str(r["defense"])),
-                ("schedule", lambda r: r.get("schedule") or "–"), ("setting", lambda r: r["setting"] or "–"),
+                ("rate", lambda r: pct(r.get("rate"), 0)), ("target", target_cell),
+                ("defense", lambda r: str(r["defense"])),
+                ("schedule", lambda r: r.get("schedule") or (r.get("params") or {}).get("schedule") or "–"), ("setting", lambda r: r["setting"] or "–"),
                 ("seed", lambda r: str(r["seed"])), ("ACC before", lambda r: pct(r.get("acc_before"))),
                 ("ASR before", lambda r: pct(r.get("asr_before"))), ("ACC", lambda r: pct(r["acc"])),
                 ("ASR", lambda r: pct(r["asr"])), ("RA", lambda r: pct(r["ra"])),
