@@ -17,7 +17,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -29,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 SCRIPTS = ("clean_cifar10", "attacks_cifar10", "premise_cifar10", "scan_families", "detect", "isolation", "pbe_cifar10",
            "pbe_ablation_cifar10", "defenses_cifar10", "digits")  # the table scripts (each runs its cells on this grid)
 RETRIES = 3  # Ray: how often a cell whose worker died is run again
+RESOURCES = ("num_cpus", "num_gpus")  # what a config may ask of Ray per cell
 OBJECT_STORE_BYTES = 256 * 2 ** 20  # a local Ray instance: rows are small, the default (30 % of RAM) is not
 
 
@@ -66,11 +67,18 @@ def load_config(path: str | Path) -> dict:
 
 
 def complete(cfg: dict, where: str = "config") -> dict:
-    """`cfg` with its script's defaults filled in; unknown keys are an error naming the known ones."""
+    """`cfg` with its script's defaults filled in; unknown keys are an error naming the known ones.
+    Besides the script's keys a config may give ``resources``: what each cell asks of Ray
+    (``{num_cpus: 1, num_gpus: 0}``; a GPU cell runs its commands there with ``--device auto``)."""
     defaults = module(cfg["script"]).CONFIG
-    unknown = set(cfg) - set(defaults) - {"script"}
+    unknown = set(cfg) - set(defaults) - {"script", "resources"}
     if unknown:
-        raise PBEError(f"{where}: unknown keys {sorted(unknown)} for {cfg['script']}; known: {sorted(defaults)}")
+        raise PBEError(f"{where}: unknown keys {sorted(unknown)} for {cfg['script']}; known: "
+                       f"{sorted(defaults) + ['resources']}")
+    res = cfg.get("resources", {})
+    if not isinstance(res, dict) or set(res) - set(RESOURCES) or \
+            any(not isinstance(v, (int, float)) or v < 0 for v in res.values()):
+        raise PBEError(f"{where}: resources must map {' / '.join(RESOURCES)} to numbers >= 0, got {res!r}")
     return {**defaults, **cfg}
 
 
@@ -109,10 +117,14 @@ def seconds_per_epoch_equivalent(table) -> float | None:
 def execute(cfg: dict, executor: str = "local", address: str | None = None, only: list[str] | None = None,
             dry_run: bool = False, progress: bool = True) -> list[dict]:
     """Run a config's cells that have no row; returns the rows made (dry run: none)."""
+    if executor not in ("local", "ray"):
+        raise PBEError(f"unknown executor {executor!r}; use 'local' or 'ray'")
     cfg = complete(cfg)
     mod = module(cfg["script"])
     table = mod.results_table(cfg)
     cells = mod.cells(cfg)
+    if cfg.get("resources"):
+        cells = [replace(c, resources={"num_cpus": 1, **cfg["resources"]}) for c in cells]
     if only:
         cells = [c for c in cells if any(fnmatch.fnmatch(c.name, p) or p in c.name for p in only)]
     todo = pending(table, cells, getattr(mod, "stale", None))
@@ -129,9 +141,7 @@ def execute(cfg: dict, executor: str = "local", address: str | None = None, only
         return []
     if executor == "local":
         return _run_local(table, todo, progress)
-    if executor == "ray":
-        return _run_ray(table, todo, address, progress)
-    raise PBEError(f"unknown executor {executor!r}; use 'local' or 'ray'")
+    return _run_ray(table, todo, address, progress)
 
 
 def _bar(todo: list[Cell], progress: bool):

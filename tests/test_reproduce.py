@@ -30,6 +30,8 @@ def test_config_errors_name_the_problem_and_the_fix(tmp_path):
     assert bad.returncode != 0 and "unknown keys ['attack']" in bad.stderr and "attacks" in bad.stderr
     bad = _reproduce(tmp_path, "script: nope\n", "--dry-run")
     assert bad.returncode != 0 and "unknown table script 'nope'" in bad.stderr and "pbe_cifar10" in bad.stderr
+    bad = _reproduce(tmp_path, "script: digits\nresources: {num_gpus: -1}\n", "--dry-run")
+    assert bad.returncode != 0 and "resources must map num_cpus / num_gpus" in bad.stderr
     bad = _reproduce(tmp_path, "attacks: [badnets]\n", "--dry-run")
     assert bad.returncode != 0 and "'script' key" in bad.stderr
     missing = subprocess.run([sys.executable, str(EXPERIMENTS / "reproduce.py"), str(tmp_path / "none.yaml")],
