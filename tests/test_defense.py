@@ -517,3 +517,15 @@ def test_universal_mask_is_a_sparse_blend_within_its_budget(badnets_model, digit
     assert max(range(10), key=rates.__getitem__) == attack.target and rates[attack.target] > 0.5
     with pytest.raises(PBEError, match="share of the pixels"):
         UniversalConfig(kind="mask", eps=2.0)
+
+
+def test_weak_evidence_threshold_keeps_the_chance_of_a_benign_top_label_across_label_counts():
+    """The weak-evidence z chosen on 10 labels is itself on 10, higher on more labels (the largest of
+    more benign scores is larger), and gives the same chance that k normal scores' maximum reaches it."""
+    from scipy.stats import norm
+
+    from pbe.defenses.pbe import WEAK_EVIDENCE_Z, weak_evidence_threshold
+    assert abs(weak_evidence_threshold(WEAK_EVIDENCE_Z, 10) - WEAK_EVIDENCE_Z) < 1e-9
+    z43 = weak_evidence_threshold(WEAK_EVIDENCE_Z, 43)
+    assert 2.5 < z43 < 2.6 and weak_evidence_threshold(WEAK_EVIDENCE_Z, 5) < WEAK_EVIDENCE_Z < z43
+    assert abs(norm.cdf(z43) ** 43 - norm.cdf(WEAK_EVIDENCE_Z) ** 10) < 1e-9
