@@ -39,6 +39,9 @@ TARGETED_V5 = replace(SCHEDULES["targeted"], whole_label="off")  # before the wh
 TARGETED_V4 = replace(TARGETED_V5, relabel_all_isolated=False)  # before every isolated sample was relabelled
 TARGETED_V3 = replace(TARGETED_V4, isolate=False)  # the default before isolation joined it
 TARGETED_V2 = replace(TARGETED_V3, relabel_suspected=False)  # the default before relabelling joined it
+# the variant rows that run the default's code path on their model (each later lever acts only where the
+# earlier ones found nothing): the per-round figure's curves
+DEFAULT_PATH = ("targeted_relabel", "relabel_all_isolated", "whole_label_exclude")
 ORACLE = "oracle"  # variants whose name ends so are given the true target (what the erasure could do if
 #                    detection named it); they measure the erasure alone and are never a default
 
@@ -169,6 +172,28 @@ class AblationTable(ResultsTable):
                 ("ACC drop", lambda r: fixed(100 * (r["acc_before"] - r["acc"]))), ("DER", lambda r: pct(r.get("der"), 1)),
                 ("ranking AUC", lambda r: fixed((r.get("detection") or {}).get("auc"), 3)),
                 ("epoch-eq.", lambda r: fixed(r["epoch_equivalents"])), ("wall s", lambda r: fixed(r["wall_s"], 0))]
+
+    def figure(self):
+        """PBE's per-round curves: ASR and ACC before, after round 1 and after round 2 of the default's code
+        path on each dev model (the variant rows that run it there, DEFAULT_PATH)."""
+        from pbe.plots import _plt
+        rows = [r for r in self.rows if r["variant"] in DEFAULT_PATH and r["asr"] is not None]
+        if not rows:
+            return None
+        plt = _plt()
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+        for i, r in enumerate(rows):
+            rounds = [0] + [p["round"] for p in r["per_round"]]
+            for ax, key in zip(axes, ("asr", "acc")):
+                ax.plot(rounds, [100 * r[f"{key}_before"]] + [100 * p["metrics"][key] for p in r["per_round"]],
+                        marker="o", color=f"C{i}", label=f"{r['zoo'].split('/')[-1]} ({r['variant']})")
+        axes[0].set(xlabel="round (0: the infected model)", ylabel="ASR %", title="attack success, per round")
+        axes[1].set(xlabel="round (0: the infected model)", ylabel="ACC %", title="clean accuracy, per round")
+        axes[0].legend(fontsize=7)
+        for ax in axes:
+            ax.set_xticks([0, 1, 2])
+        fig.tight_layout()
+        return fig
 
     def summary(self) -> str:
         what = {}  # the script's description where the variant is still defined, else the row's
