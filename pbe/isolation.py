@@ -132,6 +132,12 @@ def fooling_rate(model: nn.Module, trigger: EstimatedTrigger, images: torch.Tens
     return float((predict(model, trigger.apply(x)) != clean_pred).float().mean())
 
 
+def _stands_out(rate: float, null: float) -> bool:
+    """A trigger estimate moves the model like a backdoor: at least MIN_FOOLING of held-out images, and
+    MIN_MARGIN more than the estimate it is compared with (the other cluster's, or the next label's)."""
+    return rate >= MIN_FOOLING and rate - null >= MIN_MARGIN
+
+
 def _held_out_split(images: torch.Tensor, labels: torch.Tensor, c: int, gen: torch.Generator,
                     held_out: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Images of labels other than `c`: (reference for a trigger estimate, held-out images to measure it on)."""
@@ -158,7 +164,7 @@ def _whole_label(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, k
         passes += 2 * len(held)
     order = np.argsort(rates)[::-1]
     best, runner_up = int(order[0]), rates[int(order[1])] if k > 1 else 0.0
-    if rates[best] >= MIN_FOOLING and rates[best] - runner_up >= MIN_MARGIN:
+    if _stands_out(rates[best], runner_up):
         return best, rates, triggers[best], passes
     return None, rates, None, passes
 
@@ -193,7 +199,7 @@ def isolate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, featur
         passes += 3 * len(held)
         fooling[c] = rates
         best = int(np.argmax(rates))
-        if rates[best] >= MIN_FOOLING and rates[best] - rates[1 - best] >= MIN_MARGIN:
+        if _stands_out(rates[best], rates[1 - best]):
             flagged.append(c)
             suspected[idx[torch.from_numpy(assign == best)]] = True
     iso = Isolation(silhouettes, flagged, fooling, suspected)

@@ -464,6 +464,7 @@ class PBE(Defense):
         pool = allowed.nonzero().flatten()
         subset = pool[torch.randperm(len(pool), generator=ctx.gen)[:max(1, round(s.fractions[0] * n))]].sort().values
         stopped, trained = False, torch.zeros(n, dtype=torch.bool)
+        readmit = not (whole and s.whole_label == "exclude")  # the refused target's samples may come back
         train_view = data  # the training labels PBE fine-tunes with (relabel_suspected changes some)
         for t in range(len(s.fractions)):
             if t and calibrate and s.recalibrate:  # the purified model: the budget that still reaches the target
@@ -502,7 +503,6 @@ class PBE(Defense):
                     stopped = True
                     break
             if t + 1 < len(s.fractions):
-                readmit = not (whole and s.whole_label == "exclude")
                 if iso is None and s.refuse_suspected and target is not None and readmit:  # unless the model says so
                     allowed = (data.labels != target) | (z.argmax(1) == target)
                 subset = least_suspicious(suspicion.masked_fill(~allowed, float("inf")), data.labels,
