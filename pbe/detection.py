@@ -25,7 +25,11 @@ Clean-label backdoors (SIG) are not a small perturbation (its sinusoid has L2 no
 another mark when the defender also has the (possibly poisoned) labelled training set: every training
 image of the target carries the trigger, so the model learns the trigger as the class and fails on
 the target's clean test images. With `train_data`, the per-label gap between training and test
-accuracy is scored the same way (robust z against the other labels, p-value of the max of C).
+accuracy is scored the same way (robust z against the other labels, p-value of the max of C),
+and it counts only where ``pbe.isolation``'s whole-label test (the trigger estimated from all the
+label's training images moves the model's predictions on other labels' images) names the same label:
+a class that is merely harder on the test set leaves a gap too (GTSRB's clean model: label 27, whose
+test images come from other roads, 50 points, robust z 24.8), but its training images share no trigger.
 
 The statistic with the smallest p-value decides, Bonferroni-corrected for the number of statistics
 tried (2, or 3 with `train_data`).
@@ -70,7 +74,8 @@ WARP_GRID = 4  # its control grid (size x size displacements)
 PER_IMAGE_STEPS = 10
 PER_IMAGE_SHARE = 0.5  # of the held-out images (its cost: 10 steps x C labels x that many images)
 # bumped whenever the statistic changes, so that results tables re-measure rows made by an older one
-METHOD = "7: universal L2 + universal warp + train-test gap, MAD floored at 2 binomial SEs; activation clusters"
+METHOD = ("8: universal L2 + universal warp + train-test gap confirmed by the whole-label trigger, MAD floored at "
+          "2 binomial SEs; activation clusters")
 ALPHA = 0.01  # p-value below which a backdoor is suspected
 ISOLATION_PER_LABEL = 500  # training images per label the activation clusters are measured on
 ISOLATION_HELD_OUT = 128  # images each candidate cluster's trigger is measured on (pbe.isolation: 256)
@@ -255,9 +260,12 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
             iso, passes = isolate(model, train_data.images[sample], train_data.labels[sample],
                                   penultimate(model, train_data.images[sample]), gen, seed, ISOLATION_HELD_OUT)
             fw += len(sample) + passes
+    scores, tried = {name: round(t[1], 3) for name, t in tests.items()}, len(tests)
+    if "gap" in tests and (iso is None or iso.whole_label != tests["gap"][0]):
+        del tests["gap"]  # a harder class, not a trigger (module docstring): reported, not counted
     # the most significant statistic decides, its p-value Bonferroni-corrected for how many were tried
     evidence, (top, z, p) = min(tests.items(), key=lambda kv: kv[1][2])
-    p = min(1.0, len(tests) * p)
+    p = min(1.0, tried * p)
     suspected = p < alpha
     label = top if suspected else None
     if not suspected and iso is not None and iso.flagged:  # poison clusters: one target, or several labels
@@ -281,5 +289,4 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
                      [round(v, 4) for v in rates], label_map, gap, None if gap_score is None else round(gap_score, 3),
                      len(pick), fb, fw, evidence, [round(v, 4) for v in per_image] or None,
                      [round(v, 4) for v in warp_rates] or None,
-                     {name: round(t[1], 3) for name, t in tests.items()},
-                     None if iso is None else iso.flagged, None if iso is None else iso.as_dict())
+                     scores, None if iso is None else iso.flagged, None if iso is None else iso.as_dict())

@@ -264,10 +264,11 @@ def test_pbe_estimates_its_own_accuracy_drop(blend_model, digits):
     assert abs(est["estimate"] - real) < 0.1, (est, real)
 
 
-def test_clean_label_gap_test_flags_the_label_a_model_fails_only_on_test_images(blend_model, clean_model, digits):
+def test_clean_label_gap_test_scores_the_label_a_model_fails_only_on_test_images(blend_model, clean_model, digits):
     """With the labelled training set, detect also scores the per-label train-test accuracy gap (the
     mark of clean-label SIG): a test set whose label-0 images are really other digits makes label 0
-    fail on test images only, and it is named; the clean model on the real test set is not flagged."""
+    fail on test images only, and its gap stands out; but label 0's training images carry no trigger,
+    so the gap is not counted (test_isolation has the case where it is); the real test set neither."""
     from pbe.data import ImageDataset
     from pbe.detection import detect as scan
     train, test = digits
@@ -276,7 +277,8 @@ def test_clean_label_gap_test_flags_the_label_a_model_fails_only_on_test_images(
     images[zeros] = test.images[ones[torch.arange(len(zeros)) % len(ones)]]  # label-0 images showing a 1
     odd = ImageDataset(images, test.labels, test.classes)
     found = scan(clean_model, odd, images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS, train_data=train)
-    assert found.suspected and found.label == 0 and found.gap[0] == max(found.gap) and found.gap_score > 3
+    assert found.gap[0] == max(found.gap) and found.gap_score > 3 and found.scores["gap"] == found.gap_score
+    assert not found.suspected and found.evidence != "gap"
     honest = scan(clean_model, test, images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS, train_data=train)
     assert not honest.suspected and honest.gap is not None
     model, attack, poisoned = blend_model

@@ -262,6 +262,32 @@ def test_isolate_names_a_whole_poisoned_label_and_its_trigger(clean_label_toy):
     assert spared.whole_label is None and spared.trigger is None
 
 
+def test_detect_counts_a_train_test_gap_only_where_the_whole_label_trigger_confirms_it(clean_label_toy, toy):
+    """A model that learned the clean-label TARGET as the corner alone fails on its clean test images:
+    the gap names it and the whole-label trigger confirms it (suspected, evidence "gap"). The same gap
+    from a test set whose TARGET images show another class, on a clean model whose training images carry
+    no trigger, is reported but not counted (a harder class is not a backdoor)."""
+    import copy
+
+    from pbe.detection import detect
+    model, clean, data = clean_label_toy
+    test = toy[3]
+    learned = copy.deepcopy(model)
+    with torch.no_grad():
+        learned.head.weight[TARGET, TARGET] = 0  # the class is the corner, nothing of its own pattern
+    found = detect(learned, test, train_data=data, images=100)
+    assert found.gap[TARGET] == max(found.gap) > 0.9 and found.isolation["whole_label"] == TARGET
+    assert found.suspected and found.label == TARGET and found.evidence == "gap"
+    plain = _textures(clean.patterns.view(CLASSES, 1, 8, 8), torch.Generator().manual_seed(1))
+    images = test.images.clone()
+    mine, other = (test.labels == TARGET).nonzero().flatten(), (test.labels == 1).nonzero().flatten()
+    images[mine] = test.images[other[:len(mine)]]
+    shifted = ImageDataset(images, test.labels, test.classes, test.name, False)
+    harder = detect(clean, shifted, train_data=plain, images=100)
+    assert harder.gap[TARGET] == max(harder.gap) > 0.9 and harder.scores["gap"] > 10
+    assert harder.isolation["whole_label"] is None and not harder.suspected and harder.evidence != "gap"
+
+
 @pytest.mark.parametrize("mode", ["trigger", "refuse", "exclude"])
 def test_pbe_whole_label_unlearns_the_estimated_trigger_and_never_relabels(clean_label_toy, mode):
     """`whole_label`: every batch carries the whole label's estimated trigger and the backdoor goes
