@@ -1,7 +1,7 @@
 """Defences behind one interface: ``pbe.defenses.create(name, **params)(model, data, ...)``.
 
-Model repair with a clean extra set: ``ft``, ``fp``, ``nad``, ``anp``, ``ibau``, ``aft``.
-Without clean data: ``pbe`` (repair) and the filtering defences ``ac``, ``ss``, ``strip``.
+Model repair with a clean extra set: ``ft``, ``fp``, ``nad``, ``anp``, ``ibau``, ``aft``, ``sau``.
+Without clean data: ``pbe`` (repair), ``abl`` (training anew) and the filtering defences ``ac``, ``ss``, ``strip``.
 
     >>> defense = pbe.defenses.create("nad", epochs=20)
     >>> result = defense(model, clean_set, evaluation=Evaluation(test_set, attack))
@@ -9,6 +9,7 @@ Without clean data: ``pbe`` (repair) and the filtering defences ``ac``, ``ss``, 
 """
 from __future__ import annotations
 
+from pbe.defenses.abl import ABL
 from pbe.defenses.ac import ActivationClustering
 from pbe.defenses.anp import ANP
 from pbe.defenses.base import SETTINGS, Context, Cost, Defense, DefenseResult, Evaluation
@@ -19,13 +20,15 @@ from pbe.defenses.ibau import IBAU
 from pbe.defenses.nad import NAD
 from pbe.defenses.aft import AFT, aft
 from pbe.defenses.pbe import PBE, SCHEDULES, Schedule, erase, get_schedule
+from pbe.defenses.sau import SAU
 from pbe.defenses.ss import SpectralSignatures
 from pbe.defenses.strip import STRIP
 from pbe.registry import Registry
 from pbe.utils import PBEError
 
 REGISTRY: Registry[type[Defense]] = Registry("defence")
-for _cls in (FineTuning, FinePruning, NAD, ANP, IBAU, AFT, PBE, ActivationClustering, SpectralSignatures, STRIP):
+for _cls in (FineTuning, FinePruning, NAD, ANP, IBAU, AFT, SAU, PBE, ABL, ActivationClustering, SpectralSignatures,
+             STRIP):
     REGISTRY.register(_cls.name, _cls)
 
 

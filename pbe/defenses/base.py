@@ -218,14 +218,15 @@ def sgd_finetune(model: nn.Module, data: ImageDataset, ctx: Context, *, epochs: 
                  batch_size: int = 256, momentum: float = 0.9, weight_decay: float = 5e-4,
                  crop_padding: int = 4, loss_fn: LossFn = cross_entropy, after_step: Callable[[], None] | None = None,
                  lr_schedule: str = "cosine", transform: BatchTransform | None = None,
-                 on_epoch: Callable[[int], None] | None = None, desc: str = "fine-tune") -> None:
+                 on_epoch: Callable[[int], None] | None = None, desc: str = "fine-tune",
+                 nesterov: bool = False) -> None:
     """The fine-tuning loop of every repair defence: SGD on shuffled, augmented batches, with per-epoch
     cosine annealing (BackdoorBench's loop) or a constant lr (the PBE authors'). `transform(x, y)`
     changes each augmented batch before the step (adversarial examples, with the samples' own labels)
     and counts its own cost; `on_epoch(epoch)` runs before each epoch."""
     if lr_schedule not in ("cosine", "constant"):
         raise PBEError(f"lr_schedule must be 'cosine' or 'constant', got {lr_schedule!r}")
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: lr_factor(e, epochs, lr_schedule))
     bar = tqdm(total=epochs * math.ceil(len(data) / batch_size), desc=desc, disable=not ctx.progress,
                leave=False, unit="batch")
