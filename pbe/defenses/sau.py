@@ -12,7 +12,7 @@ clean prediction (a potential backdoor), pushes the purified model's probability
 (`lmd_3`, ``-(log(1 - p) + log(1 - p)) / 2`` as written in the authors' code).
 
 Defaults from BackdoorBench ``config/defense/sau/config.yaml`` and ``defense/sau.py`` (code by the
-paper's first author): 5 % clean data, 100 epochs, batch 256, Adam lr 1e-4 without weight decay (the
+paper's first author): 5 % clean data, 100 epochs, batch 256, Adam (AMSGrad) lr 1e-4 without weight decay (the
 config names a cosine schedule that the code never steps: constant), L-inf bound 0.2 on [0, 1] pixels,
 step 0.2, 5 steps, start at +bound ("max"), beta_1 0.01, beta_2 1, lmd_1 1, lmd_2 0, lmd_3 1, the
 model in eval mode (BatchNorm fixed), no augmentation. As there, the perturbed images are not clipped
@@ -119,7 +119,7 @@ class SAU(Defense):
     def _defend(self, model, data: ImageDataset, ctx: Context):
         p = self.params
         ref = copy.deepcopy(model).eval().requires_grad_(False)
-        opt = torch.optim.Adam(model.parameters(), lr=p["lr"], weight_decay=0.0)
+        opt = torch.optim.Adam(model.parameters(), lr=p["lr"], weight_decay=0.0, amsgrad=True)
         model.eval()
         history = []
         for epoch in range(p["epochs"]):
