@@ -9,7 +9,8 @@ CPU budget. The defaults of each defence are its paper's / BackdoorBench's (100 
 2,000 ANP iterations, 100 STRIP overlays), sized for GPUs. On 2 CPU cores this script gives the
 fine-tuning defences AFT's budget instead (20 epochs on the 5% clean set = 1 epoch-equivalent; SAU
 20 epochs too), ANP 400 iterations, STRIP 10 overlays, retrains the filtering defences with the infected
-model's own recipe and gives ABL as many epochs as that recipe; every row records its parameters. `--paper-budget` runs the defaults instead.
+model's own recipe and gives ABL as many epochs as that recipe; every row records its parameters.
+`--paper-budget` runs the defaults instead.
 PBE and AFT rows are copied from experiments/results/pbe_cifar10.json when that table has them (same
 infected model, same data), else run here through `pbe defend`.
 """

@@ -52,7 +52,8 @@ def shared_adversarial(model, ref, x: torch.Tensor, y: torch.Tensor, eps: float,
     n = len(x)
     for taken in range(1, steps + 1):
         delta.requires_grad_(True)
-        out, out_ref = model(x + delta), ref(x + delta)
+        moved = x + delta
+        out, out_ref = model(moved), ref(moved)
         label, label_ref = out.argmax(1), out_ref.argmax(1)
         fooled, fooled_ref = label != own, label_ref != own_ref
         shared = fooled & fooled_ref & (label == label_ref)
@@ -133,10 +134,11 @@ class SAU(Defense):
                 ctx.cost.forward_backward += 2 * taken * len(y)
                 if p["train_mode"]:
                     model.train()
-                logits, per_logits = model(torch.cat([x, x + delta])).split(len(y))
+                both = torch.cat([x, x + delta])
+                logits, per_logits = model(both).split(len(y))
                 model.eval()
                 with torch.no_grad():
-                    own_ref, label_ref = ref(torch.cat([x, x + delta])).argmax(1).split(len(y))
+                    own_ref, label_ref = ref(both).argmax(1).split(len(y))
                 potential = (label_ref != y) & (label_ref != own_ref)
                 loss = (p["lmd_1"] * F.cross_entropy(logits, y) + p["lmd_2"] * F.cross_entropy(per_logits, y)
                         + p["lmd_3"] * shared_loss(per_logits, label_ref, potential) / len(y))
