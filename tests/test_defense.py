@@ -498,7 +498,9 @@ def test_target_top_label_acts_on_an_unflagged_scan(clean_model, digits):
 def test_universal_mask_is_a_sparse_blend_within_its_budget(badnets_model, digits):
     """kind="mask" (Neural Cleanse's trigger): the projection keeps the mask in [0, 1] and its sum within
     the budget; a zero mask leaves images unchanged; targeted at the BadNets target, a mask the size of
-    its 2x2 patch sends more held-out images there than to the clean model's most reachable label."""
+    its 2x2 patch sends more held-out images there than to any other label. (The rate itself depends on
+    the optimiser's noise: 0.35-0.93 over four seeds and two CPU kernels, the best other label's
+    0.14-0.25; the gap, 0.18 at least, is what is asserted.)"""
     from pbe.adversarial import UniversalConfig, _project_mask, apply_universal, universal_perturbation
     from pbe.metrics import predict
     m = _project_mask(torch.rand(1, 8, 8) * 3 - 1, budget=4.0)
@@ -506,7 +508,7 @@ def test_universal_mask_is_a_sparse_blend_within_its_budget(badnets_model, digit
     model, attack, _ = badnets_model
     _, test = digits
     x = test.images.float() / 255
-    cfg = UniversalConfig(kind="mask", eps=4 / 64, epochs=3, batch_size=16)
+    cfg = UniversalConfig(kind="mask", eps=4 / 64, epochs=6, batch_size=16)
     assert torch.equal(apply_universal(x[:8], torch.cat([torch.zeros(1, 8, 8), torch.rand(1, 8, 8)]), cfg), x[:8])
     gen = torch.Generator().manual_seed(0)
     rates = []
@@ -516,7 +518,8 @@ def test_universal_mask_is_a_sparse_blend_within_its_budget(badnets_model, digit
         d = universal_perturbation(model, test.images[fit], test.labels[fit], cfg, gen, target=label)
         assert d.shape == (2, 8, 8) and float(d[0].sum()) <= cfg.eps * 64 + 1e-4 and 0 <= d.min() and d.max() <= 1
         rates.append(float((predict(model, apply_universal(x[held], d, cfg)) == label).float().mean()))
-    assert max(range(10), key=rates.__getitem__) == attack.target and rates[attack.target] > 0.5
+    others = [r for label, r in enumerate(rates) if label != attack.target]
+    assert rates[attack.target] > max(others) + 0.1, rates
     with pytest.raises(PBEError, match="share of the pixels"):
         UniversalConfig(kind="mask", eps=2.0)
 
