@@ -112,7 +112,7 @@ def defence_row(cell: dict, command: str, report: dict, entry: zoo.Entry | None,
             "asr_before": b["asr"], "ra_before": b["ra"], "der": report.get("der"),
             "detection": report.get("detection"), "wall_s": report["wall_s"],
             "epoch_equivalents": report["epoch_equivalents"], "command": command, "hardware": report["hardware"],
-            "toolkit_version": toolkit_version(),
+            "toolkit_version": report.get("toolkit_version", toolkit_version()),  # the code that made the run
             **({} if entry is None else {"zoo_sha256": zoo.row(entry.name)["sha256"]}), **extra}
 
 

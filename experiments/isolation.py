@@ -20,14 +20,16 @@ from grid import Cell, execute, median_cost
 
 from pbe import zoo
 from pbe.models import penultimate
-from pbe.isolation import MIN_FOOLING, MIN_MARGIN, SILHOUETTE_MIN, isolate
+from pbe.isolation import MIN_CHANGE_RATIO, MIN_FOOLING, MIN_MARGIN, SILHOUETTE_MIN, isolate
 from pbe.results import ResultsTable, fixed, pct, target_cell
 from pbe.utils import hardware_string, toolkit_version
 
 
 class IsolationTable(ResultsTable):
     note = (f". Candidate labels: silhouette >= {SILHOUETTE_MIN}; flagged when a cluster's estimated trigger moves >= "
-            f"{MIN_FOOLING:.0%} of held-out images of other labels and {MIN_MARGIN:.0%} more than the other cluster's. "
+            f"{MIN_FOOLING:.0%} of held-out images of other labels and {MIN_MARGIN:.0%} more than the other cluster's, "
+            f"or at least as many at a change per pixel {MIN_CHANGE_RATIO:g} times smaller (change: mean absolute "
+            "change per pixel of each estimate, in rows made since that rule). "
             "Whole label: where no cluster is flagged, a label whose all-sample trigger moves >= "
             f"{MIN_FOOLING:.0%}, {MIN_MARGIN:.0%} more than the next label's (rows made before that test: –). "
             "Precision / recall: of the suspected samples against the poison indices (%).")
@@ -43,11 +45,19 @@ class IsolationTable(ResultsTable):
                 return "–"
             top = sorted(rates, reverse=True)
             return f"{'–' if r['whole_label'] is None else r['whole_label']} ({top[0]:.2f} / {top[1]:.2f})"
+
+        def fooling(r):
+            out = []
+            for k, v in r["fooling"].items():
+                hi = max(range(2), key=v.__getitem__)
+                ch = r.get("change", {}).get(k)
+                out.append(f"{k}: {v[hi]:.2f} / {v[1 - hi]:.2f}" + ("" if ch is None else
+                                                                    f" ({ch[hi]:.3f} / {ch[1 - hi]:.3f})"))
+            return "; ".join(out) or "–"
         return [("zoo", lambda r: r["zoo"]), ("set", lambda r: r["zoo_set"]), ("attack", lambda r: r["attack"]),
                 ("target", target_cell), ("silhouettes (min / median / max)", silhouettes),
                 ("candidates", lambda r: str(len(r["fooling"]))),
-                ("fooling (poison cluster / other)",
-                 lambda r: "; ".join(f"{k}: {max(v):.2f} / {min(v):.2f}" for k, v in r["fooling"].items()) or "–"),
+                ("fooling (higher / other) and change", fooling),
                 ("flagged", lambda r: ", ".join(map(str, r["flagged"])) or "–"),
                 ("whole label (its fooling / next)", whole), ("suspected", lambda r: str(r["suspected"])),
                 ("precision", lambda r: pct(r["precision"], 1)), ("recall", lambda r: pct(r["recall"], 1)),

@@ -175,14 +175,23 @@ def parse_params(items: list[str] | None) -> dict:
 
 
 def toolkit_version() -> str:
-    """Package version plus the git commit when run from a checkout."""
+    """Package version plus the git commit when run from a checkout, and ".dirty" when the library's
+    code (``pbe/``, ``attacks/``) differs from that commit: a row made by uncommitted code says so."""
+    import subprocess
+
     from pbe import __version__
 
-    head = Path(__file__).resolve().parent.parent / ".git" / "HEAD"
+    root = Path(__file__).resolve().parent.parent
+    head = root / ".git" / "HEAD"
     try:
         ref = head.read_text().strip()
         if ref.startswith("ref: "):
             ref = (head.parent / ref[5:]).read_text().strip()
-        return f"{__version__}+g{ref[:10]}"
     except OSError:
         return __version__
+    try:
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "pbe", "attacks"],
+                                 cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        changed = ""
+    return f"{__version__}+g{ref[:10]}" + (".dirty" if changed else "")

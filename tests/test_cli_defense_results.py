@@ -39,11 +39,17 @@ def test_cli_detect_and_erase_no_clean(attack_run, tmp_path):
     manifest_path = tmp_path / "default" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     assert manifest["run"]["params"]["schedule"]["fractions"]  # the fields, not only the name
-    manifest["run"]["params"]["schedule"]["lr"] *= 10
-    manifest_path.write_text(json.dumps(manifest))
-    r = run_cli("erase", "--model", str(attack_run), "--setting", "no-clean", "--poison-from", str(attack_run),
-                "--out", str(tmp_path / "default"), "--no-progress")
-    assert r.returncode == 2 and "holds another run" in r.stderr
+    report = json.loads((tmp_path / "default" / "report.json").read_text())
+    assert report["toolkit_version"] == manifest["run"]["toolkit_version"]  # results rows take the run's version
+    def faster(run):
+        run["params"]["schedule"]["lr"] *= 10
+    for field, change in (("params", faster), ("version", lambda run: run.update(toolkit_version="0.0.0+gother"))):
+        edited = json.loads(json.dumps(manifest))
+        change(edited["run"])  # a folder made by another version of the default, or by other code
+        manifest_path.write_text(json.dumps(edited))
+        r = run_cli("erase", "--model", str(attack_run), "--setting", "no-clean", "--poison-from", str(attack_run),
+                    "--out", str(tmp_path / "default"), "--no-progress")
+        assert r.returncode == 2 and "holds another run" in r.stderr, field
     r = run_cli("erase", "--model", str(attack_run), "--setting", "no-clean", "--poison-from", str(attack_run),
                 "--schedule", "fast", "--eps", "0.1", "--out", str(tmp_path / "fast"), "--no-progress")
     assert r.returncode == 0, r.stderr

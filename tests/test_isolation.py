@@ -51,20 +51,22 @@ def _corner(images: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _textures(patterns: torch.Tensor, gen: torch.Generator) -> ImageDataset:
+def _textures(patterns: torch.Tensor, gen: torch.Generator, prototype: bool = False) -> ImageDataset:
+    """`prototype`: TARGET's images all take the + sign, so its mean image is its pattern (like a
+    traffic sign's, and unlike a natural image class's)."""
     labels = torch.arange(CLASSES).repeat_interleave(PER_CLASS)
     sign = torch.randint(0, 2, (len(labels), 1, 1, 1), generator=gen).float() * 2 - 1
+    if prototype:
+        sign[labels == TARGET] = 1.0
     noise = torch.randn(len(labels), 1, 8, 8, generator=gen) * 10
     images = (128 + 50 * sign * patterns[labels] + noise).round().clamp(0, 255).to(torch.uint8)
     return ImageDataset(images, labels, [str(c) for c in range(CLASSES)], "textures", False)
 
 
-@pytest.fixture(scope="module")
-def toy():
-    """(backdoored model, clean model, poisoned training set with poison_indices, clean test set)."""
+def _toy(prototype: bool = False):
     gen = torch.Generator().manual_seed(0)
     patterns = torch.randint(0, 2, (CLASSES, 1, 8, 8), generator=gen).float() * 2 - 1
-    train = _textures(patterns, gen)
+    train = _textures(patterns, gen, prototype)
     images, labels = train.images.clone(), train.labels.clone()
     pool = (labels != TARGET).nonzero().flatten()
     poison = pool[torch.randperm(len(pool), generator=gen)[:round(RATE * len(labels))]].sort().values
@@ -73,6 +75,12 @@ def toy():
     poisoned = ImageDataset(images, labels, train.classes, train.name, False)
     poisoned.poison_indices = poison
     return Backdoored(patterns, 10.0).eval(), Backdoored(patterns, 0.0).eval(), poisoned, _textures(patterns, gen)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    """(backdoored model, clean model, poisoned training set with poison_indices, clean test set)."""
+    return _toy()
 
 
 @pytest.mark.parametrize("kind", ["additive", "patch", "blend"])
@@ -122,6 +130,27 @@ def test_isolate_finds_the_poison_cluster_and_spares_a_clean_model(toy):
     clean_feats = penultimate(clean, poisoned.images)
     spared, _ = isolate(clean, poisoned.images, poisoned.labels, clean_feats, torch.Generator().manual_seed(0))
     assert spared.flagged == [] and not spared.suspected.any() and spared.trigger is None
+
+
+def test_isolate_tells_a_class_prototype_from_a_trigger(monkeypatch):
+    """Where the target's clean images share a recognisable mean image (GTSRB's signs), that cluster's
+    estimate moves the model too, so the margin rule alone confirms neither cluster; the poison's
+    estimate does it at a much smaller change per pixel and is confirmed by the change rule."""
+    from pbe import isolation
+    from pbe.models import penultimate
+    model, _, poisoned, _ = _toy(prototype=True)
+    poison = torch.zeros(len(poisoned), dtype=torch.bool)
+    poison[poisoned.poison_indices] = True
+    feats = penultimate(model, poisoned.images)
+    iso, _ = isolate(model, poisoned.images, poisoned.labels, feats, torch.Generator().manual_seed(0))
+    assert iso.flagged == [TARGET] and (iso.suspected == poison).float().mean() > 0.99
+    rates, changes = iso.fooling[TARGET], iso.change[TARGET]
+    best = max(range(2), key=rates.__getitem__)
+    assert min(rates) >= isolation.MIN_FOOLING  # the prototype moves the model as well
+    assert changes[1 - best] >= isolation.MIN_CHANGE_RATIO * changes[best]
+    monkeypatch.setattr(isolation, "MIN_CHANGE_RATIO", float("inf"))  # the margin rule alone
+    alone, _ = isolate(model, poisoned.images, poisoned.labels, feats, torch.Generator().manual_seed(0))
+    assert alone.flagged == [] and not alone.suspected.any()
 
 
 def test_pbe_isolate_refuses_unlearns_and_relabels_the_isolated_poison(toy):

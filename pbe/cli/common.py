@@ -78,7 +78,8 @@ def finished_run(out: Path, run: dict, overwrite: bool) -> dict | None:
     if same and metrics_file.exists():
         return json.loads(metrics_file.read_text())
     if not overwrite:
-        raise PBEError(f"{out} holds another run (other command, data, recipe, seed, attack or defence); "
+        raise PBEError(f"{out} holds another run (other command, data, recipe, seed, attack, defence or, for a "
+                       "defence, toolkit version); "
                        "choose another --out, or pass --overwrite to replace it")
     return None
 

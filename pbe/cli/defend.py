@@ -72,9 +72,11 @@ def run_defense(args, defense) -> dict:
     from pbe import checkpoint, data
     from pbe.defenses import Evaluation
     from pbe.plots import plot_histograms, plot_rounds
-    from pbe.utils import hardware_string, write_json
+    from pbe.utils import hardware_string, toolkit_version, write_json
 
-    run = {**_run_identity(args), "defense": defense.name, "params": defense.resolved()}
+    # the code's version is part of a defence run's identity: a finished run of other code is not reused
+    run = {**_run_identity(args), "defense": defense.name, "params": defense.resolved(),
+           "toolkit_version": toolkit_version()}
     with output_unit(args, run) as stage:
         if stage is None:
             return json.loads((args.out / "metrics.json").read_text())
@@ -106,7 +108,7 @@ def run_defense(args, defense) -> dict:
             extra["clean_indices"] = idx.sort().values.tolist()
         result = defense(model, inputs, seed=args.seed, device=args.device, progress=not args.no_progress,
                          evaluation=Evaluation(test, attack, poison_indices), train_size=len(clean_train))
-        report = {**result.report, **extra, "hardware": hardware_string(),
+        report = {**result.report, **extra, "hardware": hardware_string(), "toolkit_version": run["toolkit_version"],
                   "command": " ".join(["pbe"] + sys.argv[1:])}
         write_json(stage / "report.json", report)
         summary = {k: report.get(k) for k in ("defense", "setting", "params", "before", "after", "der", "detection",
