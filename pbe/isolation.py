@@ -219,13 +219,13 @@ def isolate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, featur
         if sil < SILHOUETTE_MIN:
             continue
         reference, held = _held_out_split(images, labels, c, gen, held_out)
-        held_pred = predict(model, held)
+        held_pred, held_x = predict(model, held), held.float() / 255
         rates, changes = [], []
         for part in (0, 1):
             members = idx[torch.from_numpy(assign == part)]
             trigger = EstimatedTrigger.estimate(images[members], reference)
             rates.append(round(fooling_rate(model, trigger, held, held_pred), 4))
-            changes.append(round(trigger.change(held.float() / 255), 5))
+            changes.append(round(trigger.change(held_x), 5))
         passes += 3 * len(held)
         fooling[c], change[c] = rates, changes
         poison = _poison_cluster(rates, changes)
