@@ -143,6 +143,12 @@ VARIANTS = {
                       "relabelling stay the named target's (isolate_named, which replaced the perturbation and "
                       "refused only the cluster, left Blend at 3.48 %)",
                       replace(SCHEDULES["targeted"], named_trigger=True)),
+    "verify_named": ("the default + where the scan names a target, the isolation runs too, and a poison cluster "
+                     "it confirms in that label is kept as evidence: after round 1 its estimated trigger is pasted on "
+                     "256 held-out images of other labels, and if the purified model still sends >= 50 % of them to "
+                     "the target (VERIFY_REACH), round 2 takes the isolation's path (that trigger in place of the "
+                     "optimised perturbation, the cluster refused and every one of its samples relabelled)",
+                     replace(SCHEDULES["targeted"], verify_named=True)),
     "whole_label_trigger_half": ("whole_label_trigger with the estimated trigger on half of every batch (a third: "
                                  "the target's samples, all carrying the trigger, still make it predict the target)",
                                  replace(TARGETED_V5, whole_label="trigger", universal_share=0.5)),
@@ -263,7 +269,9 @@ def run_cell(name: str, variant: str, seed: int) -> dict:
                           for rd in report["rounds"]],
             "scan": report.get("scan"), "acc_drop_estimate": report.get("acc_drop_estimate"),
             "universal_calibration": report.get("universal_calibration"),
-            "isolation": report.get("isolation"), "target_given": oracle, "target_used": report.get("target")}
+            "isolation": report.get("isolation"), "target_given": oracle, "target_used": report.get("target"),
+            "trigger_reach": [rd.get("trigger_reach") for rd in report["rounds"]],
+            "switched_to_isolation": any(rd.get("switched_to_isolation") for rd in report["rounds"])}
 
 
 def main() -> None:

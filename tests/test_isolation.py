@@ -395,3 +395,50 @@ def test_named_trigger_adds_the_cluster_trigger_beside_the_optimised_perturbatio
     assert not (round1 == TARGET).any()  # the named target's refusal, not the cluster's
     _, other = run(TARGET + 1)
     assert seen == [(False, False)] and universal_parts and not trigger_parts
+
+
+def test_verify_named_switches_to_the_cluster_trigger_only_when_a_round_missed_it(toy):
+    """`verify_named`: with a target named, round 1 runs the optimised perturbations alone; after it the
+    confirmed cluster's estimated trigger is tried on the purified model, and where it still sends
+    VERIFY_REACH of held-out images to the target, round 2 takes the isolation's path (the trigger in
+    place of the perturbations, the cluster refused and relabelled). Where the check does not fire, the
+    run is the schedule without the lever, bit for bit."""
+    import pbe.defenses.pbe as defense
+    from pbe.adversarial import UniversalConfig
+    from pbe.defenses import erase
+    from pbe.demo import DIGITS_SCHEDULE
+    model, _, poisoned, _ = toy
+    seen = []
+    real_finetune = defense.adversarial_finetune
+
+    def spy(m, d, epochs, adv_batches, sched, ctx, desc, target=None, trigger=None, combine=False):
+        seen.append((trigger is not None, combine))
+        return real_finetune(m, d, epochs, adv_batches, sched, ctx, desc, target, trigger, combine)
+    # lr so small that round 1 leaves the hand-wired backdoor in place: the check must fire
+    s = replace(DIGITS_SCHEDULE, adv_share=0.0, crop_padding=0, probe_size=100, isolate=True,
+                universal=UniversalConfig(kind="l2", eps=0.5, epochs=1), universal_share=1 / 3, universal_images=64,
+                universal_target=True, refuse_suspected=True, relabel_suspected=True, relabel_all_isolated=True,
+                early_stop=False, fractions=(0.3, 0.3), epochs=(1, 1), adv_batches=(None, None), lr=1e-5)
+
+    def run(schedule):
+        seen.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(defense, "adversarial_finetune", spy)
+            out = erase(model, poisoned, schedule, seed=0, progress=False, target=TARGET)
+        return out, list(seen)
+    (_, report), calls = run(replace(s, verify_named=True))
+    first = report["rounds"][0]
+    assert report["isolation"]["flagged"] == [TARGET] and first["trigger_reach"] >= defense.VERIFY_REACH
+    assert first["switched_to_isolation"] and calls == [(False, False), (True, False)]
+    assert first["relabelled"] == report["isolation"]["suspected"] > 0  # the cluster, relabelled
+    poison = torch.zeros(len(poisoned), dtype=torch.bool)
+    poison[poisoned.poison_indices] = True
+    round2 = torch.tensor(report["rounds"][1]["subset_indices"])
+    assert (poisoned.labels[round2] == TARGET).any() and poison[round2].any()  # clean target back, poison relabelled
+    with pytest.MonkeyPatch.context() as mp:  # a check that never fires: the schedule without the lever
+        mp.setattr(defense, "VERIFY_REACH", 1.01)
+        (kept, report), calls = run(replace(s, verify_named=True))
+    assert "trigger_reach" in report["rounds"][0] and "switched_to_isolation" not in report["rounds"][0]
+    assert calls == [(False, False), (False, False)]
+    (plain, _), _ = run(s)
+    assert all(torch.equal(a, b) for a, b in zip(kept.state_dict().values(), plain.state_dict().values()))

@@ -25,7 +25,7 @@ from pbe.adversarial import (MONITOR_PGD, PAPER_EPS, PAPER_PGD, PGDConfig, Unive
 from pbe.data import ImageDataset
 from pbe.detection import SCAN_L2_RMS, WARP_GRID, WARP_SHIFT, detect
 from pbe.defenses.base import Context, Defense, Evaluation, measure, sgd_finetune
-from pbe.isolation import EstimatedTrigger, isolate
+from pbe.isolation import HELD_OUT, MIN_FOOLING, EstimatedTrigger, Isolation, isolate
 from pbe.metrics import predict, ranking_quality
 from pbe.models import has_linear_head, penultimate
 from pbe.utils import PBEError
@@ -80,7 +80,12 @@ class Schedule:
     universal perturbations, and only the cluster is refused). `named_trigger`: where a target is
     named, the isolation runs too, and a poison cluster it confirms in that label adds its estimated
     trigger to the universal share beside the optimised perturbations (refusal and relabelling stay the
-    named target's). `relabel_all_isolated` (with
+    named target's). `verify_named`: where a target is named, the isolation runs too, and a poison
+    cluster it confirms in that label is kept as evidence: after each round but the last, its estimated
+    trigger is pasted on held-out images of other labels; if the purified model still sends
+    ``VERIFY_REACH`` of them to the target, the optimised family missed the trigger, and the later
+    rounds take the isolation's path (the cluster's estimated trigger replaces the perturbations, the
+    cluster is refused and, with `relabel_all_isolated`, relabelled). `relabel_all_isolated` (with
     `relabel_suspected`): every isolated sample, not only those the purification moved confidently,
     joins the next round with the purified model's most likely label other than its own (the
     isolation confirmed it as poison, whose label is the attacker's)."""
@@ -115,6 +120,7 @@ class Schedule:
     isolate: bool = False  # no target named: refuse, unlearn and relabel the isolated poison cluster
     isolate_named: bool = False  # isolate also where a target is named (a cluster of that label then decides)
     named_trigger: bool = False  # ... or only add that cluster's estimated trigger to the universal share
+    verify_named: bool = False  # ... or switch to it after a round that left that cluster's trigger working
     relabel_all_isolated: bool = False  # every isolated sample joins round 2 with its best other label
     whole_label: str = "off"  # isolation's whole poisoned label (clean-label): "trigger" unlearns its estimated
     #                           trigger; "refuse" also names it the target (its samples out of round 1);
@@ -287,6 +293,11 @@ def adversarial_finetune(model: nn.Module, data: ImageDataset, epochs: int, adv_
 
 SCAN_FAMILIES = {"universal": ("l2", "linf", "patch"), "warp": ("warp",)}  # detection evidence -> universal kinds
 RELABEL_CONFIDENCE = 0.8  # softmax probability the purified model must give a moved sample's new label
+# verify_named: the share of held-out images of other labels that a confirmed cluster's estimated trigger must
+# still send to the named target after a round for the optimised family to count as having missed it: the
+# share the isolation asks of an estimate to call it a trigger at all (chosen before any measurement; on the
+# dev set round 1 of the default left ASR at 0.4-6.5 %, far below it)
+VERIFY_REACH = MIN_FOOLING
 MAX_DOUBLINGS = 3  # universal_reach raises the budget at most 2 ** 3 = 8 times
 
 
@@ -315,6 +326,18 @@ def calibrate_universal(model: nn.Module, data: ImageDataset, target: int, s: Sc
                 break
         chosen.append(cfg)
     return tuple(chosen), tried
+
+
+def trigger_reach(model: nn.Module, trigger: EstimatedTrigger, data: ImageDataset, target: int,
+                  exclude: torch.Tensor, seed: int, ctx: Context) -> float:
+    """Share of ``HELD_OUT`` training images of labels other than `target`, outside `exclude` (the ones
+    fine-tuned on), that `model` assigns to `target` once `trigger` is pasted on them (its own generator,
+    so that measuring draws nothing from the run's)."""
+    pool = ((data.labels != target) & ~exclude).nonzero().flatten()
+    held = pool[torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed))[:HELD_OUT]]
+    ctx.cost.forward += len(held)
+    x = trigger.apply(data.images[held].float() / 255)
+    return round(float((predict(model, x) == target).float().mean()), 4)
 
 
 def least_suspicious(score: torch.Tensor, labels: torch.Tensor, fraction: float, balanced: bool) -> torch.Tensor:
@@ -428,7 +451,8 @@ class PBE(Defense):
             flagged = scan.suspected and scan.label == target  # evidence that early stop can watch
         report["target"] = target
         iso, trigger, whole, combine, named = None, None, False, False, target is not None
-        if s.isolate and (not named or s.isolate_named or s.named_trigger):
+        evidence: Isolation | None = None  # verify_named: a confirmed cluster of the named target, held back
+        if s.isolate and (not named or s.isolate_named or s.named_trigger or s.verify_named):
             if feats is None:
                 report["isolation"] = "skipped: the model has no nn.Linear head to read features from"
             else:  # its own generator: a run where nothing is isolated draws exactly as without this lever
@@ -444,6 +468,8 @@ class PBE(Defense):
                 if whole and s.whole_label in ("refuse", "exclude"):  # true labels: refused, never relabelled
                     target = report["target"] = iso.whole_label
                 if named and not s.isolate_named:  # named_trigger: the cluster's trigger joins, nothing else changes
+                    if s.verify_named and not s.named_trigger:  # verify_named: it waits for a round to miss it
+                        evidence, trigger = (iso if trigger is not None else None), None
                     combine, iso = trigger is not None, None
                 iso = iso if iso is not None and iso.suspected.any() else None
         # the samples PBE distrusts: the suspected target's, or the isolated poison
@@ -502,6 +528,12 @@ class PBE(Defense):
                 if gone:
                     stopped = True
                     break
+            if t + 1 < len(s.fractions) and evidence is not None:
+                row["trigger_reach"] = trigger_reach(model, evidence.trigger, data, target, trained, ctx.seed, ctx)
+                if row["trigger_reach"] >= VERIFY_REACH:  # the family missed the trigger: the isolation's path
+                    iso, trigger, combine, evidence = evidence, evidence.trigger, False, None
+                    suspect, allowed = iso.suspected, ~iso.suspected
+                    row["switched_to_isolation"] = True
             if t + 1 < len(s.fractions):
                 if iso is None and s.refuse_suspected and target is not None and readmit:  # unless the model says so
                     allowed = (data.labels != target) | (z.argmax(1) == target)
