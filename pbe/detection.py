@@ -177,12 +177,12 @@ def reached(model: nn.Module, fit_x: torch.Tensor, fit_y: torch.Tensor, held_x: 
 
 def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float = SCAN_L2_RMS,
            epochs: int = SCAN_EPOCHS, alpha: float = ALPHA, seed: int = 0, train_data=None,
-           warp_shift: float = WARP_SHIFT, pgd_eps: float = 0.0) -> Detection:
+           warp_shift: float = WARP_SHIFT, pgd_eps: float = 0.0, held_out: int | None = None) -> Detection:
     """Scan every label of `model` with `dataset`'s images (the test set, or the possibly poisoned
     training set: no trigger, no clean data needed); with `train_data` (the labelled training set,
     `dataset` then being the test set) also the clean-label test; `warp_shift` the warp scan's budget
-    as a share of the image side (0: no warp scan); `pgd_eps` the per-image probe's L-inf budget (default 0: off). See
-    the module docstring.
+    as a share of the image side (0: no warp scan); `pgd_eps` the per-image probe's L-inf budget (default 0: off);
+    `images` fit each label's perturbation and `held_out` (default: as many) measure it. See the module docstring.
 
     Example::
 
@@ -198,12 +198,15 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
             or not 0 <= warp_shift < 1:
         raise PBEError(f"detect: alpha must be in (0, 1), l2_rms > 0, epochs an int >= 1, pgd_eps in [0, 1] and "
                        f"warp_shift in [0, 1); got {alpha}, {l2_rms}, {epochs}, {pgd_eps}, {warp_shift}")
+    held_out = images if held_out is None else held_out
+    if not (isinstance(held_out, int) and held_out >= k):
+        raise PBEError(f"detect: held_out must be an int >= the number of classes ({k}), got {held_out!r}")
     if len(dataset) < 2 * k:
         raise PBEError(f"detect needs at least {2 * k} images, got {len(dataset)}")
     gen = torch.Generator().manual_seed(seed)
-    pick = torch.randperm(len(dataset), generator=gen)[:2 * images]
+    pick = torch.randperm(len(dataset), generator=gen)[:images + held_out]
     x, y = dataset.images[pick], dataset.labels[pick]
-    half = len(pick) // 2
+    half = len(pick) * images // (images + held_out)  # (= images unless the dataset is smaller)
     (xo, yo), (xh, yh) = (x[:half], y[:half]), (x[half:], y[half:])
     cfg = UniversalConfig(kind="l2", eps=l2_rms * math.sqrt(x[0].numel()), epochs=epochs)
     probe = PGDConfig(eps=pgd_eps, steps=PER_IMAGE_STEPS, step=pgd_eps / 4)

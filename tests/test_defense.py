@@ -229,6 +229,10 @@ def test_universal_detection_names_the_target_and_spares_the_clean_model(blend_m
     for bad in ({"images": 5}, {"alpha": 1.5}, {"l2_rms": 0}, {"epochs": 0}, {"pgd_eps": -0.1}, {"warp_shift": -1}):
         with pytest.raises(PBEError, match="detect"):
             scan(model, digits[1], **bad)
+    # fewer images fit each label's perturbation, more measure it: the fitting cost falls, the target stays
+    few = scan(model, digits[1], images=DIGITS_SCAN_IMAGES // 4, held_out=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS)
+    assert few.images == DIGITS_SCAN_IMAGES // 4 + DIGITS_SCAN_IMAGES and few.forward_backward < found.forward_backward
+    assert few.top_label == attack.target
 
 
 def test_per_image_probe_is_a_second_statistic_with_a_bonferroni_correction(blend_model, digits):
