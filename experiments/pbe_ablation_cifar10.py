@@ -35,7 +35,8 @@ T2_PGDT = replace(T2, adv_share=1 / 3, pgd=PGD_T, pgd_targeted=True)
 T3 = replace(T2, early_stop=False)
 UNI_WARP = UniversalConfig(kind="warp", eps=0.5, size=4)  # a WaNet-shaped field: 4x4 control grid, 0.5 px
 UNI_MASK = UniversalConfig(kind="mask", eps=0.01, epochs=4, batch_size=16)  # Neural Cleanse's trigger, 1 % of the pixels
-TARGETED_V5 = replace(SCHEDULES["targeted"], whole_label="off")  # before the whole-label test joined it
+TARGETED_V6 = replace(SCHEDULES["targeted"], verify_named=False)  # before the check of a named target's cluster
+TARGETED_V5 = replace(TARGETED_V6, whole_label="off")  # before the whole-label test joined it
 TARGETED_V4 = replace(TARGETED_V5, relabel_all_isolated=False)  # before every isolated sample was relabelled
 TARGETED_V3 = replace(TARGETED_V4, isolate=False)  # the default before isolation joined it
 TARGETED_V2 = replace(TARGETED_V3, relabel_suspected=False)  # the default before relabelling joined it
@@ -133,7 +134,7 @@ VARIANTS = {
     "whole_label_refuse": ("whole_label_trigger + that label is named the target: its samples are out of round 1 and "
                            "back in round 2 where the purified model still assigns them to it (never relabelled)",
                            replace(TARGETED_V5, whole_label="refuse")),
-    "whole_label_exclude": ("the default (SCHEDULES['targeted']) since 2026-12-04 late: whole_label_refuse, but that "
+    "whole_label_exclude": ("the sixth default (2026-12-04 late, until verify_named): whole_label_refuse, but that "
                             "label's samples stay out of round 2 as well (on clean-label "
                             "SIG, re-admitting them in round 2 raised ASR from 0.80 to 3.61 %: every one carries the "
                             "trigger with the target label)", replace(TARGETED_V5, whole_label="exclude")),
@@ -142,13 +143,14 @@ VARIANTS = {
                       "optimised perturbation (a third of every batch, split between them); refusal and "
                       "relabelling stay the named target's (isolate_named, which replaced the perturbation and "
                       "refused only the cluster, left Blend at 3.48 %)",
-                      replace(SCHEDULES["targeted"], named_trigger=True)),
-    "verify_named": ("the default + where the scan names a target, the isolation runs too, and a poison cluster "
+                      replace(TARGETED_V6, named_trigger=True)),
+    "verify_named": ("the default (SCHEDULES['targeted']) since 2026-12-05: whole_label_exclude + where the scan "
+                     "names a target, the isolation runs too, and a poison cluster "
                      "it confirms in that label is kept as evidence: after round 1 its estimated trigger is pasted on "
                      "256 held-out images of other labels, and if the purified model still sends >= 50 % of them to "
                      "the target (VERIFY_REACH), round 2 takes the isolation's path (that trigger in place of the "
                      "optimised perturbation, the cluster refused and every one of its samples relabelled)",
-                     replace(SCHEDULES["targeted"], verify_named=True)),
+                     replace(TARGETED_V6, verify_named=True)),
     "whole_label_trigger_half": ("whole_label_trigger with the estimated trigger on half of every batch (a third: "
                                  "the target's samples, all carrying the trigger, still make it predict the target)",
                                  replace(TARGETED_V5, whole_label="trigger", universal_share=0.5)),

@@ -207,7 +207,11 @@ SCHEDULES = {
     # samples' estimated trigger moves the model as a whole (clean-label poison: every sample of the
     # target carries the trigger) gives that trigger to the universal share and its samples stay out of
     # both rounds ("whole_label_exclude": clean-label SIG 0.00 % at -0.97 ACC; kept in, "whole_label_
-    # trigger": 3.06 %; out of round 1 only, "whole_label_refuse": 3.61 %)
+    # trigger": 3.06 %; out of round 1 only, "whole_label_refuse": 3.61 %). Where a target is named, the
+    # isolation runs too, and a poison cluster it confirms in that label is checked after round 1: if its
+    # estimated trigger still sends VERIFY_REACH of held-out images to the target, round 2 takes the
+    # isolation's path ("verify_named": on the dev set the check read 0.039 on BadNets and 0.004 on Blend and
+    # never fired, so every dev row is the previous default's, bit for bit)
     "targeted": Schedule(adv_share=0.0, universal=(UniversalConfig(kind="l2", eps=SCAN_L2_RMS, per_pixel=True),
                                                    UniversalConfig(kind="warp", eps=WARP_SHIFT, size=WARP_GRID,
                                                                    per_pixel=True)),
@@ -216,7 +220,7 @@ SCHEDULES = {
                          universal_target=True, refuse_suspected=True, balanced=True, universal_reach=0.8,
                          early_stop=False, target_top_label=True, target_min_z=WEAK_EVIDENCE_Z, min_z_for_labels=True,
                          relabel_suspected=True,
-                         isolate=True, relabel_all_isolated=True, whole_label="exclude"),
+                         isolate=True, relabel_all_isolated=True, whole_label="exclude", verify_named=True),
 }
 
 
