@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import json
 import os
 import statistics
 import sys
@@ -142,6 +143,55 @@ def execute(cfg: dict, executor: str = "local", address: str | None = None, only
     if executor == "local":
         return _run_local(table, todo, progress)
     return _run_ray(table, todo, address, progress)
+
+
+VOLATILE = ("hardware", "toolkit_version", "command")  # what a rerun may change (and every "...wall_s" time)
+
+
+def differences(old: dict, new: dict) -> dict:
+    """The fields (VOLATILE ones and wall times aside) whose values differ between a row and its rerun:
+    name -> (old, new)."""
+    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+            if k not in VOLATILE and not k.endswith("wall_s") and old.get(k) != new.get(k)}
+
+
+def verify(cfg: dict, only: list[str] | None = None) -> list[dict]:
+    """Rerun the config's cells that have a row (those `only` selects) into a temporary results and runs
+    folder, nothing committed touched, and compare each new row with its committed one. Returns one
+    ``{"cell", "differences", "hardware"}`` per cell (``differences`` empty: identical)."""
+    import subprocess
+    import tempfile
+    cfg = complete(cfg)
+    mod = module(cfg["script"])
+    table = mod.results_table(cfg)
+    cells = [c for c in mod.cells(cfg) if not only or any(fnmatch.fnmatch(c.name, p) or p in c.name for p in only)]
+    done = [c for c in cells if not pending(table, [c], getattr(mod, "stale", None))]
+    print(f"{table.json_path.stem}: {len(done)} of {len(cells)} selected cells have a row to verify", flush=True)
+    if not done:
+        return []
+    out = []
+    with tempfile.TemporaryDirectory(prefix="pbe-verify-") as tmp:
+        config = Path(tmp) / "config.yaml"
+        config.write_text(yaml.safe_dump(cfg))
+        env = {**os.environ, "PBE_RESULTS": str(Path(tmp) / "results"), "PBE_RUNS": str(Path(tmp) / "runs")}
+        for c in done:  # one process per cell: the scripts read PBE_RESULTS / PBE_RUNS when imported
+            subprocess.run([sys.executable, str(HERE / "reproduce.py"), str(config), "--only", c.name, "--no-progress"],
+                           env=env, check=True)
+        path = Path(tmp) / "results" / table.json_path.name
+        fresh = {table.cell(row): row for row in (json.loads(path.read_text()) if path.is_file() else [])}
+        for c in done:
+            old = table.find(**c.key)
+            new = fresh.get(table.cell(old))
+            if new is None:
+                raise PBEError(f"verify: the rerun of {c.name!r} wrote no row")
+            diff = differences(old, new)
+            out.append({"cell": c.name, "differences": diff, "hardware": (old.get("hardware"), new.get("hardware"))})
+            said = "identical" if not diff else f"{len(diff)} fields differ: " + "; ".join(
+                f"{k}: {str(a)[:60]} -> {str(b)[:60]}" for k, (a, b) in diff.items())
+            print(f"{c.name}: {said} (committed on {old.get('hardware')}; rerun on {new.get('hardware')})", flush=True)
+    same = sum(not r["differences"] for r in out)
+    print(f"{table.json_path.stem}: {same} of {len(out)} rows reproduced identically", flush=True)
+    return out
 
 
 def _bar(todo: list[Cell], progress: bool):

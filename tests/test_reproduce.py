@@ -93,3 +93,20 @@ def test_ray_executor_survives_a_worker_killed_mid_cell_and_local_skips_finished
     assert sorted((r["defense"], r["seed"]) for r in rows) == [("ft", 0), ("ft", 1), ("ss", 0)]
     md = (tmp_path / "results" / "digits.md").read_text()
     assert md.count("| badnets |") == 3 and (tmp_path / "results" / "digits.csv").exists()
+
+
+def test_verify_reruns_a_committed_row_and_names_the_fields_that_differ(tmp_path):
+    """`--verify` reruns a cell that has a row in a temporary folder and compares: here the committed row's
+    ASR was altered, so exactly that field is named (the rerun is otherwise identical) and it exits 1,
+    leaving the committed table as it was."""
+    config = "script: digits\nattacks: [badnets]\ndefenses: [ft]\nseeds: [0]\n"
+    made = _reproduce(tmp_path, config)
+    assert made.returncode == 0, made.stderr[-3000:]
+    table = tmp_path / "results" / "digits.json"
+    rows = json.loads(table.read_text())
+    rows[0]["asr"] = round(rows[0]["asr"] + 0.25, 6)
+    table.write_text(json.dumps(rows))
+    check = _reproduce(tmp_path, config, "--verify")
+    assert check.returncode == 1, check.stderr[-3000:]
+    assert "1 fields differ: asr:" in check.stdout and "0 of 1 rows reproduced identically" in check.stdout
+    assert json.loads(table.read_text()) == rows and not list((tmp_path / "runs").glob("*verify*"))
