@@ -25,7 +25,15 @@ trigger, and what that trigger looks like, without the trigger, the target or cl
    trigger. GTSRB's signs are recognisable in their mean image, so the 7 % clean images of a poisoned
    target form a cluster whose estimate pastes the sign and moves the model (0.89-0.94 of held-out
    images) at a change of 0.163 per pixel, against the poison cluster's 0.008 (BadNets), 0.071 (Blend)
-   and 0.047 (SIG). A label counts only if one of its clusters passes; that one is the suspected poison.
+   and 0.047 (SIG). A label counts only if one of its clusters passes; that one is the suspected poison,
+   unless it may be the prototype itself: its estimate changes the images ``MIN_CHANGE_RATIO`` times as
+   much as the other cluster's, and on this model class means move predictions (the median label's
+   whole-label estimate, step 4, moves at least ``PROTOTYPE_FOOLING`` of held-out images). Then the
+   poison is the other cluster, whose trigger has no mean image (GTSRB WaNet: the target's clean 7 % move
+   the model, 0.89 of held-out images at 0.151 per pixel, the warped poison's estimate 0.0 at 0.004); the
+   label is flagged (it splits, and a cluster moves the model) but no sample is suspected and no trigger
+   estimated (``Isolation.prototypes``). Where class means do not move the model (CIFAR-10), a
+   large-change cluster that moves it is a trigger (a blend), as before.
    (A limit of the margin rule: a prototype cluster beside one the model ignores passes it. A clean
    toy model whose target label holds poison it never learned is flagged that way; GTSRB's clean
    model has no candidate label, silhouettes at most 0.43.)
@@ -38,8 +46,8 @@ image: their clusters' estimates move 0.12 or nothing is a candidate, and nothin
 detection scan finds those).
 
 4. **A whole poisoned label** (clean-label poison, e.g. SIG at 10 % on CIFAR-10: every image of the
-   target label carries the trigger, so there is no second cluster). Only where no cluster is
-   confirmed: per label, the trigger estimated from *all* its samples against other labels'; a label
+   target label carries the trigger, so there is no second cluster). Only where no label is
+   flagged: per label, the trigger estimated from *all* its samples against other labels'; a label
    whose estimate moves at least ``MIN_FOOLING`` of held-out images of other labels, and ``MIN_MARGIN``
    more than the next label's does, is ``whole_label``. Its samples are not suspected (their labels are
    true); its estimated trigger is. On the CIFAR-10 dev set: clean-label SIG's target 0.98, every other
@@ -62,6 +70,9 @@ MIN_FOOLING = 0.5  # share of held-out images of other labels the estimated trig
 MIN_MARGIN = 0.5  # ... and how many more than the other cluster's (dev set: 0.75-0.88 poison, tiny digits 0.03-0.24)
 MIN_CHANGE_RATIO = 2.0  # ... or the other cluster's estimate changes the images this many times as much
 #                        (GTSRB dev set: 2.3-22 between the target's clean prototype and its poison)
+# class means "move" a model when the median label's whole-label estimate moves this share of held-out images
+# (dev sets: CIFAR-10 0.057-0.084, GTSRB 0.586-0.637)
+PROTOTYPE_FOOLING = 0.3
 HELD_OUT = 256
 MIN_LABEL_SAMPLES = 20  # labels with fewer samples are not clustered
 REFERENCE_SAMPLES = 5000  # images the reference statistics of a trigger estimate are taken from
@@ -115,13 +126,16 @@ class Isolation:
     trigger_fooling: float | None = None  # of the trigger estimated from all suspected samples
     whole_label: int | None = None  # a label all of whose samples carry the trigger (then `trigger` is its)
     whole_fooling: list[float] | None = None  # per label, the fooling rate of its whole-label trigger
+    prototypes: list[int] = field(default_factory=list)  # flagged labels whose moving cluster is a class prototype
+    class_mean_fooling: float | None = None  # the median label's whole-label fooling rate, where it was needed
 
     def as_dict(self) -> dict:
         return {"silhouettes": self.silhouettes, "flagged": self.flagged,
                 "fooling": {str(k): v for k, v in self.fooling.items()},
                 "change": {str(k): v for k, v in self.change.items()}, "suspected": int(self.suspected.sum()),
                 "trigger_fooling": self.trigger_fooling, "whole_label": self.whole_label,
-                "whole_fooling": self.whole_fooling}
+                "whole_fooling": self.whole_fooling, "prototypes": self.prototypes,
+                "class_mean_fooling": self.class_mean_fooling}
 
 
 def _split(features: np.ndarray, seed: int) -> tuple[np.ndarray, float]:
@@ -167,6 +181,12 @@ def _poison_cluster(rates: list[float], changes: list[float]) -> int | None:
     return None
 
 
+def _larger_change(changes: list[float], confirmed: int) -> bool:
+    """The confirmed cluster's estimate changes the images MIN_CHANGE_RATIO times as much as the other's: it
+    may paste the class's own mean image (a prototype, step 3 of the docstring) where class means move the model."""
+    return changes[confirmed] >= MIN_CHANGE_RATIO * changes[1 - confirmed]
+
+
 def _held_out_split(images: torch.Tensor, labels: torch.Tensor, c: int, gen: torch.Generator,
                     held_out: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Images of labels other than `c`: (reference for a trigger estimate, held-out images to measure it on)."""
@@ -204,11 +224,12 @@ def isolate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, featur
     """Suspected poison among the training samples (module docstring), and the images it ran the model on
     (``forward`` passes, for the cost). `features`: the model's penultimate features of `images`;
     `held_out`: images of other labels each candidate trigger is measured on; `whole_label`: where no
-    cluster is confirmed, test every label as a whole (step 4)."""
+    label is flagged, test every label as a whole (step 4)."""
     k = int(labels.max()) + 1
     feats = features.numpy()
     suspected = torch.zeros(len(labels), dtype=torch.bool)
-    silhouettes, flagged, fooling, change, passes = [], [], {}, {}, 0
+    silhouettes, flagged, prototypes, fooling, change, passes = [], [], [], {}, {}, 0
+    class_means = None  # the median whole-label fooling rate, measured once if a confirmed cluster needs it
     for c in range(k):
         idx = (labels == c).nonzero().flatten()
         if len(idx) < MIN_LABEL_SAMPLES:
@@ -231,8 +252,16 @@ def isolate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, featur
         poison = _poison_cluster(rates, changes)
         if poison is not None:
             flagged.append(c)
-            suspected[idx[torch.from_numpy(assign == poison)]] = True
-    iso = Isolation(silhouettes, flagged, fooling, change, suspected)
+            if _larger_change(changes, poison) and class_means is None:  # its own generator: no draw changes
+                _, rates_all, _, more = _whole_label(model, images, labels, k, torch.Generator().manual_seed(seed),
+                                                     held_out)
+                class_means, passes = float(np.median(rates_all)), passes + more
+            if _larger_change(changes, poison) and class_means >= PROTOTYPE_FOOLING:
+                prototypes.append(c)
+            else:
+                suspected[idx[torch.from_numpy(assign == poison)]] = True
+    iso = Isolation(silhouettes, flagged, fooling, change, suspected, prototypes=prototypes,
+                    class_mean_fooling=None if class_means is None else round(class_means, 4))
     if suspected.any():
         clean = ~suspected & ~torch.isin(labels, torch.tensor(flagged))  # reference: labels without poison,
         if not clean.any():  # or, when every label has some (all-to-all), the unsuspected samples
@@ -242,7 +271,7 @@ def isolate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, featur
         iso.trigger = EstimatedTrigger.estimate(images[suspected], images[pool[held_out:held_out + REFERENCE_SAMPLES]])
         iso.trigger_fooling = round(fooling_rate(model, iso.trigger, images[pool[:held_out]]), 4)
         passes += 2 * min(held_out, len(pool))
-    elif whole_label:
+    elif whole_label and not flagged:
         iso.whole_label, iso.whole_fooling, iso.trigger, more = _whole_label(model, images, labels, k, gen, held_out)
         iso.trigger_fooling = None if iso.whole_label is None else iso.whole_fooling[iso.whole_label]
         passes += more

@@ -29,8 +29,9 @@ class Backdoored(nn.Module):
     """[0, 1] 1x8x8 images -> logits from |correlation with each class pattern| and a corner detector
     (weight `strength` toward TARGET; 0: a clean model)."""
 
-    def __init__(self, patterns: torch.Tensor, strength: float):
+    def __init__(self, patterns: torch.Tensor, strength: float, checker: bool = False):
         super().__init__()
+        self.checker = checker  # the detector fires on a 2x2 checkerboard of either phase (no mean image)
         self.register_buffer("patterns", patterns.flatten(1))
         self.head = nn.Linear(CLASSES + 1, CLASSES)
         with torch.no_grad():
@@ -41,7 +42,11 @@ class Backdoored(nn.Module):
 
     def forward(self, x):
         corr = ((x.flatten(1) - 0.5) @ self.patterns.T).abs() / self.patterns.shape[1]
-        corner = (x[:, :, :2, :2].mean((1, 2, 3)) - 0.9).clamp_min(0) * 10
+        c = x[:, 0, :2, :2]
+        if self.checker:
+            corner = ((c[:, 0, 0] + c[:, 1, 1] - c[:, 0, 1] - c[:, 1, 0]).abs() / 2 - 0.8).clamp_min(0) * 10
+        else:
+            corner = (x[:, :, :2, :2].mean((1, 2, 3)) - 0.9).clamp_min(0) * 10
         return self.head(torch.cat([corr, corner[:, None]], 1))
 
 
@@ -51,12 +56,15 @@ def _corner(images: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _textures(patterns: torch.Tensor, gen: torch.Generator, prototype: bool = False) -> ImageDataset:
+def _textures(patterns: torch.Tensor, gen: torch.Generator, prototype: bool = False,
+              every_class: bool = False) -> ImageDataset:
     """`prototype`: TARGET's images all take the + sign, so its mean image is its pattern (like a
-    traffic sign's, and unlike a natural image class's)."""
+    traffic sign's, and unlike a natural image class's); `every_class`: every label's do."""
     labels = torch.arange(CLASSES).repeat_interleave(PER_CLASS)
     sign = torch.randint(0, 2, (len(labels), 1, 1, 1), generator=gen).float() * 2 - 1
-    if prototype:
+    if every_class:
+        sign[:] = 1.0
+    elif prototype:
         sign[labels == TARGET] = 1.0
     noise = torch.randn(len(labels), 1, 8, 8, generator=gen) * 10
     images = (128 + 50 * sign * patterns[labels] + noise).round().clamp(0, 255).to(torch.uint8)
@@ -151,6 +159,48 @@ def test_isolate_tells_a_class_prototype_from_a_trigger(monkeypatch):
     monkeypatch.setattr(isolation, "MIN_CHANGE_RATIO", float("inf"))  # the margin rule alone
     alone, _ = isolate(model, poisoned.images, poisoned.labels, feats, torch.Generator().manual_seed(0))
     assert alone.flagged == [] and not alone.suspected.any()
+
+
+def test_isolate_flags_a_label_whose_moving_cluster_is_its_own_prototype_but_suspects_no_sample():
+    """A trigger with no mean image (a 2x2 checkerboard of random phase, like a warp) on a model whose class
+    means move it (every class has a recognisable mean image, like GTSRB's signs): only the target's clean
+    cluster's estimate moves the model, at a far larger change. The label is flagged, as a prototype, and
+    no sample is suspected (without the rule, the clean cluster would be taken for the poison). The toy
+    whose classes have no mean image keeps its large-change poison cluster (a trigger there)."""
+    from pbe import isolation
+    from pbe.models import penultimate
+    gen = torch.Generator().manual_seed(0)
+    patterns = torch.randint(0, 2, (CLASSES, 1, 8, 8), generator=gen).float() * 2 - 1
+    train = _textures(patterns, gen, every_class=True)
+    images, labels = train.images.clone(), train.labels.clone()
+    pool = (labels != TARGET).nonzero().flatten()
+    poison = pool[torch.randperm(len(pool), generator=gen)[:round(RATE * len(labels))]].sort().values
+    phase = torch.randint(0, 2, (len(poison),), generator=gen).bool()
+    board = torch.tensor([[255, 0], [0, 255]], dtype=torch.uint8)
+    images[poison, 0, :2, :2] = torch.where(phase[:, None, None], board, 255 - board)
+    labels[poison] = TARGET
+    model = Backdoored(patterns, 10.0, checker=True).eval()
+    assert (predict(model, images[poison].float() / 255) == TARGET).all()  # the backdoor works
+    feats = penultimate(model, images)
+    iso, _ = isolate(model, images, labels, feats, torch.Generator().manual_seed(0))
+    rates = iso.fooling[TARGET]
+    moving = max(range(2), key=rates.__getitem__)
+    assert rates[moving] >= isolation.MIN_FOOLING and rates[1 - moving] < isolation.MIN_FOOLING
+    assert isolation._larger_change(iso.change[TARGET], moving)
+    assert iso.flagged == [TARGET] and iso.prototypes == [TARGET] and not iso.suspected.any() and iso.trigger is None
+    assert iso.class_mean_fooling >= isolation.PROTOTYPE_FOOLING
+    with pytest.MonkeyPatch.context() as mp:  # without the rule: the clean prototype cluster is "the poison"
+        mp.setattr(isolation, "PROTOTYPE_FOOLING", float("inf"))
+        wrong, _ = isolate(model, images, labels, feats, torch.Generator().manual_seed(0))
+    is_poison = torch.zeros(len(labels), dtype=torch.bool)
+    is_poison[poison] = True
+    assert wrong.suspected.any() and (wrong.suspected & is_poison).sum() < 0.1 * wrong.suspected.sum()
+    model, _, poisoned, _ = _toy()  # classes without a mean image: the large-change cluster is the trigger
+    toy_iso, _ = isolate(model, poisoned.images, poisoned.labels, penultimate(model, poisoned.images),
+                         torch.Generator().manual_seed(0))
+    assert isolation._larger_change(toy_iso.change[TARGET], max(range(2), key=toy_iso.fooling[TARGET].__getitem__))
+    assert toy_iso.class_mean_fooling < isolation.PROTOTYPE_FOOLING and toy_iso.prototypes == []
+    assert toy_iso.suspected[poisoned.poison_indices].all()
 
 
 def test_pbe_isolate_refuses_unlearns_and_relabels_the_isolated_poison(toy):
