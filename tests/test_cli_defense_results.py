@@ -34,6 +34,10 @@ def test_cli_detect_and_erase_no_clean(attack_run, tmp_path):
     assert r.returncode == 0, r.stderr
     default = json.loads((tmp_path / "default" / "metrics.json").read_text())
     assert default["after"]["acc"] > default["before"]["acc"] - 0.05, default
+    report = json.loads((tmp_path / "default" / "report.json").read_text())
+    assert default["decisions"]["target"] == report["target"]  # what PBE decided, in the summary
+    assert default["decisions"]["scan_z"] == report["scan"]["score"]
+    assert len(default["decisions"]["trigger_reach"]) == len(report["rounds"])
     # the run is named by the schedule it resolved to: a folder made by another version of the default
     # (simulated: its recorded lr changed) is another run, not silently reused
     manifest_path = tmp_path / "default" / "manifest.json"

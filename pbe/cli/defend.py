@@ -119,6 +119,9 @@ def run_defense(args, defense) -> dict:
                             test.classes)
             for when in ("monitor_before", "monitor_after"):
                 summary[when] = {k: report[when][k] for k in ("top_label", "top_kappa", "suspected")}
+        if defense.name == "pbe":  # what it decided: target, isolation, the named target's check
+            from pbe.defenses.pbe import decisions
+            summary["decisions"] = decisions(report)
         estimate = (report.get("acc_drop_estimate") or {}).get("estimate")
         if estimate is not None:
             summary["acc_drop_estimate"] = estimate
