@@ -34,14 +34,15 @@ def threshold_z(alpha: float, num_classes: int) -> float:
     return hi
 
 
-def verdict_ok(r: dict) -> bool:
+def verdict_ok(r: dict, model_only: bool = False) -> bool:
     """Infected: flagged with its target (all-to-all: flagged, a label map or no single target);
-    clean: not flagged."""
+    clean: not flagged. `model_only`: a verdict the training labels' share decided counts as no flag."""
+    suspected = r["suspected"] and not (model_only and r.get("evidence") == "label_share")
     if r["attack"] == "none":
-        return not r["suspected"]
+        return not suspected
     if r["all_to_all"]:
-        return r["suspected"] or r["label_map"] is not None
-    return r["suspected"] and r["label"] == r["target"]
+        return suspected or r["label_map"] is not None
+    return suspected and r["label"] == r["target"]
 
 
 def _method(row: dict) -> str:
@@ -52,7 +53,9 @@ def _method(row: dict) -> str:
 class DetectTable(ResultsTable):
     note = (f". Score: robust z of the most reachable label (pbe.detection); suspected when p < {ALPHA}. Margin: "
             f"score minus the score at p = {ALPHA} (Bonferroni over the statistics tried). Methods: 1 universal L2 "
-            f"(+ gap); {METHOD}. ok: infected flagged with its target, clean not flagged.")
+            f"(+ gap); {METHOD}. Share z: robust z of the training labels' share over the test labels' (a tell of the "
+            f"data, not the model: it decides only where nothing else does, evidence \"label_share\"). ok: infected "
+            f"flagged with its target, clean not flagged; model only: the same without the label share.")
 
     def columns(self):
         def label(r):
@@ -62,7 +65,9 @@ class DetectTable(ResultsTable):
                 ("suspected", lambda r: "yes" if r["suspected"] else "no"), ("label", label),
                 ("evidence", lambda r: r.get("evidence", "universal")), ("score", lambda r: fixed(r["score"])),
                 ("p-value", lambda r: f"{r['p_value']:.2g}"), ("margin", lambda r: f"{r['margin']:+.2f}"),
+                ("share z", lambda r: fixed(r.get("share_score"))),
                 ("ok", lambda r: "yes" if verdict_ok(r) else "**no**"),
+                ("ok, model only", lambda r: "yes" if verdict_ok(r, model_only=True) else "**no**"),
                 ("epoch-eq.", lambda r: fixed(r["epoch_equivalents"])), ("wall s", lambda r: fixed(r["wall_s"], 0))]
 
     def summary(self) -> str:
@@ -76,7 +81,8 @@ class DetectTable(ResultsTable):
             scores = torch.tensor([r["score"] for r in rows])
             auc = roc_auc_score(infected.numpy(), scores.numpy()) if 0 < int(infected.sum()) < len(rows) else None
             lines.append(f"- {dataset} {zoo_set}, {split} data, method {method}: {sum(verdict_ok(r) for r in rows)} "
-                         f"of {len(rows)} verdicts right; ROC-AUC of the score, infected vs clean: {fixed(auc, 3)}; "
+                         f"of {len(rows)} verdicts right ({sum(verdict_ok(r, True) for r in rows)} without the label "
+                         f"share); ROC-AUC of the score, infected vs clean: {fixed(auc, 3)}; "
                          f"mean cost {sum(r['epoch_equivalents'] for r in rows) / len(rows):.2f} epoch-equivalents.")
         return "\n".join(lines)
 
@@ -124,7 +130,8 @@ def run_cell(name: str, split: str, seed: int) -> dict:
             "margin": d.score - threshold_z(d.alpha / len(d.scores), len(d.rates)), "rates": d.rates,
             "label_map": d.label_map, "method": METHOD, "evidence": d.evidence,
             "per_image_rates": d.per_image_rates, "scores": d.scores, "gap": d.gap, "gap_score": d.gap_score,
-            "cluster_labels": d.cluster_labels, "images": d.images, "wall_s": round(time.time() - start, 1),
+            "cluster_labels": d.cluster_labels, "share": d.share, "share_score": d.share_score, "images": d.images,
+            "wall_s": round(time.time() - start, 1),
             "epoch_equivalents": d.epoch_equivalents(len(z.train_set)),
             "command": f"python experiments/detect.py --only {name} --split {split} --seed {seed}",
             "hardware": hardware_string(), "toolkit_version": toolkit_version(), "zoo_sha256": r["sha256"]}

@@ -43,6 +43,17 @@ flagged is the suspected target (``evidence = "cluster"``); several flagged labe
 backdoor) are suspected with no single target (``label`` None, ``cluster_labels`` lists them). This
 decision has no p-value of its own: its thresholds are ``pbe.isolation``'s.
 
+With `train_data`, one more piece of evidence concerns the data rather than the model: a poison-label
+backdoor relabels other classes' images as its target, so the target's share of the training labels
+grows by the poison rate (10 % poison on CIFAR-10: twice its test share; on GTSRB, whose label 0 has
+210 of 39,209 images: 22 times). ``share`` holds, per label, its share of the training labels over its
+share of the test labels; its log is scored like the gap (robust z against the other labels, the MAD
+floored at ``NOISE_SES`` standard errors of a log share ratio, p-value of the max of C). It decides
+only where no model statistic and no cluster does (``evidence = "label_share"``), at its own `alpha`,
+and is reported always. It is a forensic tell of the data, not of the model: an attacker who keeps the
+class counts (clean-label poison, or poison that replaces the target's own images) leaves none, and it
+cannot tell which model learned the backdoor; a report that rests on it says so.
+
 All-to-all backdoors (y -> y + 1) have no single target: each label is reached from one source
 class only. The held-out images give the source-by-target matrix of rates for free; a label whose
 rate from one source class stands out of its row is reported in ``label_map`` (source -> target).
@@ -74,8 +85,8 @@ WARP_GRID = 4  # its control grid (size x size displacements)
 PER_IMAGE_STEPS = 10
 PER_IMAGE_SHARE = 0.5  # of the held-out images (its cost: 10 steps x C labels x that many images)
 # bumped whenever the statistic changes, so that results tables re-measure rows made by an older one
-METHOD = ("8: universal L2 + universal warp + train-test gap confirmed by the whole-label trigger, MAD floored at "
-          "2 binomial SEs; activation clusters")
+METHOD = ("9: universal L2 + universal warp + train-test gap confirmed by the whole-label trigger, MAD floored at "
+          "2 binomial SEs; activation clusters; label share")
 ALPHA = 0.01  # p-value below which a backdoor is suspected
 ISOLATION_PER_LABEL = 500  # training images per label the activation clusters are measured on
 ISOLATION_HELD_OUT = 128  # images each candidate cluster's trigger is measured on (pbe.isolation: 256)
@@ -99,12 +110,14 @@ class Detection:
     images: int
     forward_backward: int  # image passes spent (PERF.md's cost unit, with `forward`)
     forward: int
-    evidence: str = "universal"  # the statistic that decided: "universal", "warp", "per_image" or "gap"
+    evidence: str = "universal"  # what decided: "universal", "warp", "per_image", "gap", "cluster" or "label_share"
     per_image_rates: list[float] | None = None  # per label, with the per-image probe
     warp_rates: list[float] | None = None  # per label, with the warp scan
     scores: dict | None = None  # the robust z of every statistic's top label
     cluster_labels: list[int] | None = None  # labels with a confirmed poison cluster (with train_data)
     isolation: dict | None = None  # pbe.isolation's findings on the training sample
+    share: list[float] | None = None  # per label, training-label share / test-label share (with train_data)
+    share_score: float | None = None  # the robust z of the top label's log share ratio
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -157,6 +170,23 @@ def accuracy_gap(model: nn.Module, train_data, test_data, images: int, gen: torc
                                 for c in range(ds.num_classes)]))
     present = torch.stack([(d.labels == c).any() for d in (train_data, test_data) for c in range(d.num_classes)])
     return (out[0] - out[1]) * present.view(2, -1).all(0)  # a label missing from either split: no evidence
+
+
+def label_share(train_labels: torch.Tensor, test_labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per label, the log of its share of `train_labels` over its share of `test_labels`, and the standard
+    error of that log (delta method: sqrt(1 / n_train + 1 / n_test), counts + 0.5 so an absent label is finite)."""
+    tr = torch.bincount(train_labels, minlength=k).double() + 0.5
+    te = torch.bincount(test_labels, minlength=k).double() + 0.5
+    return (tr / tr.sum()).log() - (te / te.sum()).log(), (1 / tr + 1 / te).sqrt()
+
+
+def share_score(train_labels: torch.Tensor, test_labels: torch.Tensor, k: int) -> tuple[int, float, float]:
+    """(top label, robust z of its log share ratio, p-value of the max of k such z): ``label_share`` scored
+    with the MAD floored at ``NOISE_SES`` times the other labels' median standard error."""
+    log_ratio, se = label_share(train_labels, test_labels, k)
+    top = int(log_ratio.argmax())
+    z = _robust_z(log_ratio, top, NOISE_SES * float(torch.cat([se[:top], se[top + 1:]]).median()))
+    return top, z, _p_value(z, k)
 
 
 def label_scores(rates: torch.Tensor, n: int) -> tuple[int, float, float]:
@@ -247,7 +277,7 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
         tests["warp"] = label_scores(torch.tensor(warp_rates), n_measured)
     if per_image:
         tests["per_image"] = label_scores(torch.tensor(per_image), int(n_probe * (k - 1) / k))
-    gap, gap_score = None, None
+    gap, gap_score, share, shared = None, None, None, None
     if train_data is not None:
         if train_data.num_classes != k:
             raise PBEError(f"detect: train_data has {train_data.num_classes} classes, the images {k}")
@@ -257,6 +287,8 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
         gap_score = _robust_z(g / GAP_UNIT, g_top)  # in units where the MAD floor of 1 is a 2-point spread
         tests["gap"] = (g_top, gap_score, _p_value(gap_score, k))
         gap = [round(float(v), 4) for v in g]
+        shared = share_score(train_data.labels, dataset.labels, k)  # free: labels only
+        share = [round(float(v), 4) for v in label_share(train_data.labels, dataset.labels, k)[0].exp()]
         order = torch.randperm(len(train_data), generator=gen)  # a random sample: poison may sit anywhere
         sample = torch.cat([order[train_data.labels[order] == c][:ISOLATION_PER_LABEL] for c in range(k)])
         if has_linear_head(model):
@@ -274,6 +306,8 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
     if not suspected and iso is not None and iso.flagged:  # poison clusters: one target, or several labels
         suspected, evidence = True, "cluster"
         label = iso.flagged[0] if len(iso.flagged) == 1 else None
+    if not suspected and shared is not None and shared[2] < alpha:  # the data's tell, where the model's said nothing
+        suspected, evidence, label = True, "label_share", shared[0]
     label_map = None
     if not suspected or evidence == "cluster":  # one target per source class standing out of its row: all-to-all
         per_source = max(1, len(xh) // k)
@@ -292,4 +326,5 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
                      [round(v, 4) for v in rates], label_map, gap, None if gap_score is None else round(gap_score, 3),
                      len(pick), fb, fw, evidence, [round(v, 4) for v in per_image] or None,
                      [round(v, 4) for v in warp_rates] or None,
-                     scores, None if iso is None else iso.flagged, None if iso is None else iso.as_dict())
+                     scores, None if iso is None else iso.flagged, None if iso is None else iso.as_dict(), share,
+                     None if shared is None else round(shared[1], 3))

@@ -256,12 +256,35 @@ def test_detect_with_training_data_names_the_target_from_its_poison_cluster(toy)
     assert found.cluster_labels == [TARGET] and found.isolation["suspected"] > 0
     alone = detect(model, test, images=100)  # without the training set: not seen
     assert not alone.suspected and alone.cluster_labels is None
-    spared = detect(clean, test, train_data=poisoned, images=100)
-    assert not spared.suspected and spared.cluster_labels == []
+    spared = detect(clean, test, train_data=poisoned, images=100)  # no cluster: only the data's tell is left
+    assert spared.cluster_labels == [] and spared.evidence == "label_share"
     with pytest.MonkeyPatch.context() as mp:  # a sample of each label: random, so the poison (stored after
         mp.setattr("pbe.detection.ISOLATION_PER_LABEL", 100)  # label 0's clean images) is in it
         sampled = detect(model, test, train_data=poisoned, images=100)
     assert sampled.cluster_labels == [TARGET]
+
+
+def test_label_share_names_the_relabelled_target_only_where_the_model_statistics_say_nothing(toy):
+    """Poison relabelled to TARGET raises its share of the training labels (here 2.5 times its test share):
+    on the clean model, where no statistic of the model and no cluster finds anything, that tell decides
+    (evidence "label_share"); poison that keeps every label's count (100 images each, TARGET's all poison)
+    leaves the shares as they were, and nothing is suspected; on the backdoored model the cluster decides,
+    the share is reported."""
+    from pbe.detection import detect, label_share
+    model, clean, poisoned, test = toy
+    told = detect(clean, test, train_data=poisoned, images=100)
+    assert told.suspected and told.label == TARGET and told.evidence == "label_share" and told.p_value > 0.01
+    assert told.share[TARGET] == max(told.share) > 2 and told.share_score > 3
+    clean_idx = torch.isin(torch.arange(len(poisoned)), poisoned.poison_indices, invert=True).nonzero().flatten()
+    order = torch.cat([poisoned.poison_indices, clean_idx])  # the poison first
+    keep = torch.cat([order[poisoned.labels[order] == c][:100] for c in range(CLASSES)])  # 100 a label
+    replaced = ImageDataset(poisoned.images[keep], poisoned.labels[keep], poisoned.classes, poisoned.name, False)
+    assert torch.isin(poisoned.poison_indices, keep).sum() == 100  # TARGET's 100: all poison
+    assert label_share(replaced.labels, test.labels, CLASSES)[0].abs().max() < 0.05
+    quiet = detect(clean, test, train_data=replaced, images=100)
+    assert not quiet.suspected and quiet.share_score < 3
+    found = detect(model, test, train_data=poisoned, images=100)
+    assert found.evidence == "cluster" and found.share_score == told.share_score
 
 
 def test_isolate_named_uses_the_cluster_of_a_named_target_and_only_that(toy):

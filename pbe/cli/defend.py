@@ -170,9 +170,15 @@ def cmd_detect(args) -> dict:
         found = detect(model, ds, images=args.images, l2_rms=args.l2_rms, alpha=args.alpha, seed=args.seed,
                        train_data=train)
         result = {**found.as_dict(), "method": "universal", "epoch_equivalents": found.epoch_equivalents(len(ds))}
-        if found.suspected:
-            print(f"backdoor suspected: target label {found.label} ({ds.classes[found.label]}), score "
-                  f"{found.score:.2f}, p-value {found.p_value:.2g} < {found.alpha}")
+        if found.suspected and found.evidence == "label_share":
+            print(f"backdoor suspected from the training labels only: label {found.label} ({ds.classes[found.label]}) "
+                  f"has {found.share[found.label]:.2f} times its test share (robust z {found.share_score:.2f}); the "
+                  f"model's own statistics found nothing (score {found.score:.2f}, p-value {found.p_value:.2g})")
+        elif found.suspected and found.label is not None:
+            print(f"backdoor suspected: target label {found.label} ({ds.classes[found.label]}), evidence "
+                  f"{found.evidence}, score {found.score:.2f}, p-value {found.p_value:.2g}")
+        elif found.suspected:
+            print(f"backdoor suspected with several poisoned labels: {found.cluster_labels}")
         elif found.label_map:
             print(f"backdoor suspected with no single target (all-to-all): source -> target {found.label_map}")
         else:
