@@ -20,7 +20,9 @@ from grid import Cell, execute, median_cost
 from pbe import zoo
 from pbe.defenses.pbe import DEFAULT_SCHEDULE
 
-CONFIG = {"set": "dev", "dataset": "cifar10", "only": None, "schedules": [DEFAULT_SCHEDULE], "aft": True, "seeds": [0]}
+CONFIG = {"set": "dev", "dataset": "cifar10", "only": None, "schedules": [DEFAULT_SCHEDULE], "aft": True, "seeds": [0],
+          "given_target": False}  # given_target: PBE is told the zoo model's target (`pbe erase --target`), as
+#                                   a defender is who ran `pbe detect` first; rows carry given_target: true
 DEFAULT_ESTIMATE = 3.0  # epoch-equivalents of a cell whose schedule has no row yet (the cost goal of PBE.md)
 AFT_CLEAN_FRACTION = 0.05
 
@@ -39,26 +41,30 @@ def cells(cfg: dict) -> list[Cell]:
     for entry in built_zoo_models(cfg["set"], cfg["dataset"], cfg["only"]):
         for seed in cfg["seeds"]:
             for defense, setting, schedule in runs:
+                given = {"given_target": True} if cfg.get("given_target") and defense == "pbe" else {}
                 out.append(Cell("pbe_cifar10", f"{entry.name} {defense} {schedule} seed {seed}",
-                                zoo_cell(entry, defense, setting, seed, schedule=schedule),
-                                {"name": entry.name, "defense": defense, "schedule": schedule, "seed": seed},
+                                zoo_cell(entry, defense, setting, seed, schedule=schedule, **given),
+                                {"name": entry.name, "defense": defense, "schedule": schedule, "seed": seed, **given},
                                 median_cost(table, DEFAULT_ESTIMATE, schedule=schedule), zoo=entry.name))
     return out
 
 
-def run_cell(name: str, defense: str, schedule: str, seed: int) -> dict:
-    """One row: ``pbe erase`` on a zoo model (PBE with `schedule`, or AFT on 5 % clean data)."""
+def run_cell(name: str, defense: str, schedule: str, seed: int, given_target: bool = False) -> dict:
+    """One row: ``pbe erase`` on a zoo model (PBE with `schedule`, or AFT on 5 % clean data); with
+    `given_target`, PBE is told the model's target."""
     entry = zoo.get(name)
     src = entry.folder.resolve().relative_to(ROOT)
     setting = "no-clean" if defense == "pbe" else "clean-extra"
-    out = RUNS / "pbe_cifar10" / entry.name / f"{defense}_{schedule}_seed{seed}"
+    given = {"given_target": True} if given_target else {}
+    out = RUNS / "pbe_cifar10" / entry.name / f"{defense}_{schedule}{'_given' if given_target else ''}_seed{seed}"
     cmd = ["pbe", "erase", "--model", str(src), *data_args(entry), "--setting", setting,
            "--poison-from", str(src), "--seed", str(seed), "--out", str(out), "--no-progress",
            "--overwrite",  # the folder caches this cell: a run of other settings (an older default) is replaced
-           *(["--schedule", schedule] if defense == "pbe" else ["--clean-fraction", str(AFT_CLEAN_FRACTION)])]
+           *(["--schedule", schedule] if defense == "pbe" else ["--clean-fraction", str(AFT_CLEAN_FRACTION)]),
+           *(["--target", str(entry.target)] if given_target else [])]
     m = run_command(cmd, out)
     report = json.loads((ROOT / out / "report.json").read_text())
-    row = defence_row(zoo_cell(entry, defense, setting, seed, schedule=schedule), m["command"], report, entry,
+    row = defence_row(zoo_cell(entry, defense, setting, seed, schedule=schedule, **given), m["command"], report, entry,
                       rounds=len(report["rounds"]), stopped_early=report.get("stopped_early"),
                       monitor_before=report["monitor_before"]["top_kappa"],
                       monitor_after=report["monitor_after"]["top_kappa"])

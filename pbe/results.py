@@ -21,9 +21,9 @@ REQUIRED = ["dataset", "model", "recipe", "attack", "rate", "target", "all_to_al
             "seed", "acc", "asr", "ra", "acc_before", "asr_before", "ra_before", "der", "detection",
             "wall_s", "epoch_equivalents", "command", "hardware", "toolkit_version"]
 # what makes a row a cell of its own (a missing key counts as null: rows made before the zoo existed
-# have no "zoo", PBE rows of two schedules are two cells)
+# have no "zoo", PBE rows of two schedules are two cells, and one told the target another)
 CELL_KEYS = ["dataset", "model", "recipe", "attack", "rate", "target", "all_to_all", "defense", "setting", "seed",
-             "zoo", "schedule"]
+             "zoo", "schedule", "given_target"]
 
 
 @contextlib.contextmanager
@@ -58,6 +58,12 @@ def target_cell(r: dict) -> str:
 
 
 Column = tuple[str, Callable[[dict], str]]  # header, the cell of a row
+
+
+def schedule_cell(r: dict) -> str:
+    """A defence row's schedule, and whether the defence was told the target."""
+    name = r.get("schedule") or (r.get("params") or {}).get("schedule") or "–"
+    return f"{name}, target given" if r.get("given_target") else name
 
 
 class ResultsTable:
@@ -117,7 +123,7 @@ class ResultsTable:
                 ("attack", lambda r: str(r["attack"])),
                 ("rate", lambda r: pct(r.get("rate"), 0)), ("target", target_cell),
                 ("defense", lambda r: str(r["defense"])),
-                ("schedule", lambda r: r.get("schedule") or (r.get("params") or {}).get("schedule") or "–"), ("setting", lambda r: r["setting"] or "–"),
+                ("schedule", schedule_cell), ("setting", lambda r: r["setting"] or "–"),
                 ("seed", lambda r: str(r["seed"])), ("ACC before", lambda r: pct(r.get("acc_before"))),
                 ("ASR before", lambda r: pct(r.get("asr_before"))), ("ACC", lambda r: pct(r["acc"])),
                 ("ASR", lambda r: pct(r["asr"])), ("RA", lambda r: pct(r["ra"])),
