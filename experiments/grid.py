@@ -141,7 +141,7 @@ def execute(cfg: dict, executor: str = "local", address: str | None = None, only
     if not todo:
         return []
     if executor == "local":
-        return _run_local(table, todo, progress)
+        return _run_local(table, todo, progress, getattr(mod, "stale", None))
     return _run_ray(table, todo, address, progress)
 
 
@@ -200,7 +200,9 @@ def _bar(todo: list[Cell], progress: bool):
                 bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} epoch-eq. [{elapsed}<{remaining}] {postfix}")
 
 
-def _run_local(table, todo: list[Cell], progress: bool) -> list[dict]:
+def _run_local(table, todo: list[Cell], progress: bool, stale=None) -> list[dict]:
+    """Run the cells in turn; a cell that another process (e.g. one started with another ``--only``) has
+    made meanwhile is skipped: the table is re-read before each."""
     from common import CELL_PROGRESS
     if progress and sys.stderr.isatty():  # each cell's own bars under the overall one
         os.environ[CELL_PROGRESS] = "1"
@@ -208,6 +210,11 @@ def _run_local(table, todo: list[Cell], progress: bool) -> list[dict]:
     with _bar(todo, progress) as bar:
         for i, c in enumerate(todo, 1):
             bar.set_postfix_str(f"cell {i}/{len(todo)}: {c.name}")
+            table.reload()
+            if not pending(table, [c], stale):
+                bar.update(c.estimate)
+                bar.write(f"{c.name}: made meanwhile by another process, skipped")
+                continue
             start = time.time()
             row = run_one(c.script, c.params)
             table.add(row)

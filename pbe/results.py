@@ -84,6 +84,11 @@ class ResultsTable:
         self.title, self.regenerate, self.footer = title, regenerate, footer
         self.rows: list[dict] = json.loads(self.json_path.read_text()) if self.json_path.exists() else []
 
+    def reload(self) -> None:
+        """Re-read the rows from disk (another process may have added some)."""
+        with _locked(self.json_path):
+            self.rows = json.loads(self.json_path.read_text()) if self.json_path.exists() else []
+
     @staticmethod
     def cell(row: dict) -> tuple:
         return tuple(json.dumps(row.get(k)) for k in CELL_KEYS)

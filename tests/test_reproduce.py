@@ -110,3 +110,35 @@ def test_verify_reruns_a_committed_row_and_names_the_fields_that_differ(tmp_path
     assert check.returncode == 1, check.stderr[-3000:]
     assert "1 fields differ: asr:" in check.stdout and "0 of 1 rows reproduced identically" in check.stdout
     assert json.loads(table.read_text()) == rows and not list((tmp_path / "runs").glob("*verify*"))
+
+
+def test_local_executor_skips_a_cell_another_process_made_meanwhile(tmp_path, monkeypatch):
+    """Two processes on one table (e.g. two ``--only`` halves): the table is re-read before each cell, so a
+    cell whose row appeared on disk after the run started is not made twice; the others still run."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    import grid
+
+    from pbe.results import REQUIRED, ResultsTable
+
+    def row(seed):
+        return {**{k: None for k in REQUIRED}, "dataset": "toy", "defense": "ft", "seed": seed, "acc": 1.0,
+                "asr": 0.0, "ra": 1.0, "wall_s": 1.0, "epoch_equivalents": 1.0, "command": f"made {seed}"}
+
+    path = tmp_path / "toy"
+    mine, other = ResultsTable(path, "toy", "x"), ResultsTable(path, "toy", "x")
+    cells = [grid.Cell("digits", f"cell {s}", {"dataset": "toy", "defense": "ft", "seed": s}, {"seed": s}, 1.0)
+             for s in range(3)]
+    ran = []
+
+    def run_one(script, params):  # while cell 0 runs here, another process makes cell 1
+        ran.append(params["seed"])
+        if params["seed"] == 0:
+            other.add({**row(1), "command": "made elsewhere"})
+        return row(params["seed"])
+
+    monkeypatch.setattr(grid, "run_one", run_one)
+    made = grid._run_local(mine, grid.pending(mine, cells), progress=False)
+    assert ran == [0, 2] and [r["seed"] for r in made] == [0, 2]
+    rows = ResultsTable(path, "toy", "x").rows
+    assert sorted(r["seed"] for r in rows) == [0, 1, 2]
+    assert next(r for r in rows if r["seed"] == 1)["command"] == "made elsewhere"
