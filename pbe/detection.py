@@ -180,13 +180,12 @@ def label_share(train_labels: torch.Tensor, test_labels: torch.Tensor, k: int) -
     return (tr / tr.sum()).log() - (te / te.sum()).log(), (1 / tr + 1 / te).sqrt()
 
 
-def share_score(train_labels: torch.Tensor, test_labels: torch.Tensor, k: int) -> tuple[int, float, float]:
-    """(top label, robust z of its log share ratio, p-value of the max of k such z): ``label_share`` scored
-    with the MAD floored at ``NOISE_SES`` times the other labels' median standard error."""
-    log_ratio, se = label_share(train_labels, test_labels, k)
+def share_score(log_ratio: torch.Tensor, se: torch.Tensor) -> tuple[int, float, float]:
+    """(top label, robust z of its log share ratio, p-value of the max of C such z): ``label_share``'s output
+    scored with the MAD floored at ``NOISE_SES`` times the other labels' median standard error."""
     top = int(log_ratio.argmax())
     z = _robust_z(log_ratio, top, NOISE_SES * float(torch.cat([se[:top], se[top + 1:]]).median()))
-    return top, z, _p_value(z, k)
+    return top, z, _p_value(z, len(log_ratio))
 
 
 def label_scores(rates: torch.Tensor, n: int) -> tuple[int, float, float]:
@@ -287,8 +286,8 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
         gap_score = _robust_z(g / GAP_UNIT, g_top)  # in units where the MAD floor of 1 is a 2-point spread
         tests["gap"] = (g_top, gap_score, _p_value(gap_score, k))
         gap = [round(float(v), 4) for v in g]
-        shared = share_score(train_data.labels, dataset.labels, k)  # free: labels only
-        share = [round(float(v), 4) for v in label_share(train_data.labels, dataset.labels, k)[0].exp()]
+        log_ratio, se = label_share(train_data.labels, dataset.labels, k)  # free: labels only
+        shared, share = share_score(log_ratio, se), [round(float(v), 4) for v in log_ratio.exp()]
         order = torch.randperm(len(train_data), generator=gen)  # a random sample: poison may sit anywhere
         sample = torch.cat([order[train_data.labels[order] == c][:ISOLATION_PER_LABEL] for c in range(k)])
         if has_linear_head(model):

@@ -82,12 +82,15 @@ class ResultsTable:
         """`footer(rows)` returns Markdown appended below the table (summaries, references)."""
         self.json_path = Path(path).with_suffix(".json")
         self.title, self.regenerate, self.footer = title, regenerate, footer
-        self.rows: list[dict] = json.loads(self.json_path.read_text()) if self.json_path.exists() else []
+        self.rows: list[dict] = self._read()
+
+    def _read(self) -> list[dict]:
+        return json.loads(self.json_path.read_text()) if self.json_path.exists() else []
 
     def reload(self) -> None:
         """Re-read the rows from disk (another process may have added some)."""
         with _locked(self.json_path):
-            self.rows = json.loads(self.json_path.read_text()) if self.json_path.exists() else []
+            self.rows = self._read()
 
     @staticmethod
     def cell(row: dict) -> tuple:
@@ -102,9 +105,8 @@ class ResultsTable:
         if missing:
             raise PBEError(f"result row lacks keys {missing}")
         with _locked(self.json_path):  # another process may have added rows since we read the file
-            if self.json_path.exists():
-                self.rows = json.loads(self.json_path.read_text())
-            self.rows = [r for r in self.rows if self.cell(r) != self.cell(row)] + [row]
+            rows = self._read() if self.json_path.exists() else self.rows
+            self.rows = [r for r in rows if self.cell(r) != self.cell(row)] + [row]
             self.write()
 
     def write(self) -> None:
