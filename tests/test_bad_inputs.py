@@ -263,8 +263,10 @@ def test_bad_top_k(k):
 @pytest.mark.parametrize("kwargs,match", [
     ({"images": 5}, "images"), ({"alpha": 0.0}, "alpha"), ({"alpha": 1.0}, "alpha"), ({"l2_rms": 0.0}, "l2_rms"),
     ({"epochs": 0}, "epochs"), ({"warp_shift": 1.0}, "warp_shift"), ({"pgd_eps": 2.0}, "pgd_eps"),
-    ({"held_out": 5}, "held_out"),
-], ids=["images", "alpha-0", "alpha-1", "l2-0", "epochs-0", "warp", "pgd-eps", "held-out"])
+    ({"held_out": 5}, "held_out"), ({"label_budget": 1}, "label_budget"), ({"label_budget": 2.5}, "label_budget"),
+    ({"batch_size": 0}, "batch_size"),
+], ids=["images", "alpha-0", "alpha-1", "l2-0", "epochs-0", "warp", "pgd-eps", "held-out", "budget-1", "budget-float",
+        "batch-0"])
 def test_bad_detection_settings(digits, kwargs, match):
     from pbe.detection import detect
     model = models.create("small_cnn", 10, 1, dataset="digits", width=4, seed=0)

@@ -24,7 +24,9 @@ def test_cli_detect_and_erase_no_clean(attack_run, tmp_path):
     r = run_cli("detect", "--model", str(attack_run), "--method", "kappa", "--eps", "0.1", "--probe-size", "300")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("backdoor suspected: adversarial examples point to label 0")
-    r = run_cli("detect", "--model", str(attack_run), "--l2-rms", "0.15", "--out", str(tmp_path / "det"))
+    # an 8x8 digit at L2 norm ~1 (0.12 per pixel): the target is reached from almost every image, other labels
+    # from few (at 0.2 every label is reachable and nothing stands out)
+    r = run_cli("detect", "--model", str(attack_run), "--l2-rms", "0.12", "--out", str(tmp_path / "det"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("backdoor suspected: target label 0"), r.stdout
     found = json.loads((tmp_path / "det" / "detect.json").read_text())

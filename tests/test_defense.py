@@ -230,9 +230,15 @@ def test_universal_detection_names_the_target_and_spares_the_clean_model(blend_m
         with pytest.raises(PBEError, match="detect"):
             scan(model, digits[1], **bad)
     # fewer images fit each label's perturbation, more measure it: the fitting cost falls, the target stays
-    few = scan(model, digits[1], images=DIGITS_SCAN_IMAGES // 4, held_out=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS)
+    few = scan(model, digits[1], images=DIGITS_SCAN_IMAGES // 4, held_out=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS,
+               label_budget=None)
     assert few.images == DIGITS_SCAN_IMAGES // 4 + DIGITS_SCAN_IMAGES and few.forward_backward < found.forward_backward
     assert few.top_label == attack.target
+    # more labels than `label_budget`: every per-label count is scaled by label_budget / C, and so is the cost
+    full = scan(model, digits[1], images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS, label_budget=None)
+    half = scan(model, digits[1], images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS, label_budget=5)
+    assert full.images == 2 * DIGITS_SCAN_IMAGES and half.images == DIGITS_SCAN_IMAGES
+    assert half.forward_backward < 0.6 * full.forward_backward and half.top_label == attack.target
 
 
 def test_per_image_probe_is_a_second_statistic_with_a_bonferroni_correction(blend_model, digits):

@@ -295,6 +295,9 @@ def adversarial_finetune(model: nn.Module, data: ImageDataset, epochs: int, adv_
                  transform=batches, on_epoch=batches.new_epoch, desc=desc)
 
 
+# the target scan's budget: detection method 9's (every label, 4 passes of 128-image steps), which every PBE row
+# was measured with; `pbe.detect`'s own default is cheaper (pbe.detection.BUDGET_LABELS, SCAN_EPOCHS, SCAN_BATCH)
+SCAN_BUDGET = {"epochs": 4, "batch_size": 128, "label_budget": None}
 SCAN_FAMILIES = {"universal": ("l2", "linf", "patch"), "warp": ("warp",)}  # detection evidence -> universal kinds
 RELABEL_CONFIDENCE = 0.8  # softmax probability the purified model must give a moved sample's new label
 # verify_named: the share of held-out images of other labels that a confirmed cluster's estimated trigger must
@@ -444,7 +447,7 @@ class PBE(Defense):
         if target is not None and target >= data.num_classes:
             raise PBEError(f"pbe: target {target} is not a label of the data ({data.num_classes} classes)")
         if s.refuse_suspected or s.universal_target or s.pgd_targeted:
-            scan = detect(original, data, l2_rms=s.scan_l2_rms, seed=ctx.seed)
+            scan = detect(original, data, l2_rms=s.scan_l2_rms, seed=ctx.seed, **SCAN_BUDGET)
             ctx.cost.forward_backward += scan.forward_backward
             ctx.cost.forward += scan.forward
             report["scan"] = scan.as_dict()
@@ -518,7 +521,7 @@ class PBE(Defense):
             # before and no longer does
             if s.early_stop and t + 1 < len(s.fractions):
                 if flagged:  # re-measure only the statistic that flagged it (the per-image probe costs most)
-                    rescan = detect(model, data, l2_rms=s.scan_l2_rms, seed=ctx.seed,
+                    rescan = detect(model, data, l2_rms=s.scan_l2_rms, seed=ctx.seed, **SCAN_BUDGET,
                                     warp_shift=WARP_SHIFT if scan.evidence == "warp" else 0.0)
                     ctx.cost.forward_backward += rescan.forward_backward
                     ctx.cost.forward += rescan.forward
