@@ -146,7 +146,12 @@ def copy_pbe_row(cell: dict) -> dict | None:
 
 
 def results_table(cfg: dict | None = None) -> DefenceTable:
-    """This script's table (``experiments/render.py`` re-renders it)."""
+    """This script's table (``experiments/render.py`` re-renders it); the published budgets' rows
+    (``paper_budget``) have a table of their own, so that the CPU rows and they are two cells each."""
+    if cfg and cfg.get("paper_budget"):
+        return DefenceTable(RESULTS / "defenses_cifar10_paper", "Defences at their published budgets on infected "
+                            "CIFAR-10 models", "python experiments/defenses_cifar10.py --paper-budget",
+                            footer=summary_by_model)
     return DefenceTable(RESULTS / "defenses_cifar10", "Defences side by side on infected CIFAR-10 models",
                         "python experiments/defenses_cifar10.py", footer=summary_by_model)
 

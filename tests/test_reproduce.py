@@ -142,3 +142,13 @@ def test_local_executor_skips_a_cell_another_process_made_meanwhile(tmp_path, mo
     rows = ResultsTable(path, "toy", "x").rows
     assert sorted(r["seed"] for r in rows) == [0, 1, 2]
     assert next(r for r in rows if r["seed"] == 1)["command"] == "made elsewhere"
+
+
+def test_published_budget_rows_are_cells_of_their_own():
+    """A defence at its published budget is another cell than the same defence at the CPU budget (same zoo
+    model, defence and seed): its rows go to a table of their own, so neither run skips the other."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    import defenses_cifar10
+
+    cpu, paper = (defenses_cifar10.results_table({"paper_budget": p}) for p in (False, True))
+    assert cpu.json_path.name == "defenses_cifar10.json" and paper.json_path.name == "defenses_cifar10_paper.json"
