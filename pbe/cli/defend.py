@@ -11,7 +11,7 @@ import torch
 from pbe.cli.common import add_common, add_model_arg, load_model_and_test, output_unit
 from pbe.activations import KAPPA_THRESHOLD, PROBE_SIZE
 from pbe.adversarial import MONITOR_PGD
-from pbe.detection import ALPHA, SCAN_IMAGES, SCAN_L2_RMS
+from pbe.detection import ALPHA, BUDGET_LABELS, SCAN_IMAGES, SCAN_L2_RMS
 from pbe.utils import PBEError, check_writable
 
 
@@ -292,7 +292,8 @@ def register(sub) -> None:
     p.add_argument("--method", choices=["universal", "kappa"], default="universal",
                    help="universal: one small targeted universal perturbation per label, null from the other "
                    "labels (default); kappa: PBE's adversarial-label concentration (the monitor)")
-    p.add_argument("--images", type=int, default=SCAN_IMAGES, help=f"universal: images per label (default {SCAN_IMAGES})")
+    p.add_argument("--images", type=int, default=SCAN_IMAGES, help=f"universal: images fitting each label's perturbation (as many measure it; default "
+                   f"{SCAN_IMAGES}, scaled by {BUDGET_LABELS} / C with more than {BUDGET_LABELS} labels)")
     p.add_argument("--l2-rms", type=float, default=SCAN_L2_RMS, help="universal: L2 budget as the root-mean-square "
                    f"change per pixel (default {SCAN_L2_RMS:.4f}: norm 1 on a 3x32x32 image)")
     p.add_argument("--with-train", action="store_true", help="universal: also score the per-label train-test "
