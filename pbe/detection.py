@@ -205,6 +205,23 @@ def label_scores(rates: torch.Tensor, n: int) -> tuple[int, float, float]:
     return top, z, _p_value(z, len(rates))
 
 
+def all_to_all_map(matrix: torch.Tensor, per_source: int, alpha: float) -> dict[int, int] | None:
+    """The all-to-all diagnosis from the source-by-target matrix of reach rates (`per_source` held-out images
+    per source class): source -> target for every source whose top target stands out of its row (robust z,
+    p-value of the max of C - 1, rate >= 0.5); a map when at least half the sources have one and they do not
+    all land on one label (that is an all-to-one pattern, not an all-to-all map), else None."""
+    k, found = len(matrix), {}
+    for c in range(k):
+        row = _logit(matrix[c], per_source)
+        t = int(matrix[c].argmax())
+        rest = torch.cat([matrix[c, :c], matrix[c, c + 1:]])
+        i = t - (t > c)
+        row_z = _robust_z(torch.cat([row[:c], row[c + 1:]]), i, _logit_noise_floor(rest, i, per_source))
+        if _p_value(row_z, k - 1) < alpha and matrix[c, t] >= 0.5:
+            found[c] = t
+    return found if len(found) >= k // 2 and len(set(found.values())) > 1 else None
+
+
 def reached(model: nn.Module, fit_x: torch.Tensor, fit_y: torch.Tensor, held_x: torch.Tensor, held_y: torch.Tensor,
             family: UniversalConfig, label: int, gen: torch.Generator) -> torch.Tensor:
     """Which held-out images (float in [0, 1]) of other labels one perturbation of `family`, targeted at
@@ -331,18 +348,7 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
         suspected, evidence, label = True, "label_share", shared[0]
     label_map = None
     if not suspected or evidence == "cluster":  # one target per source class standing out of its row: all-to-all
-        per_source = max(1, len(xh) // k)
-        found = {}
-        for c in range(k):
-            row = _logit(matrix[c], per_source)
-            t = int(matrix[c].argmax())
-            rest = torch.cat([matrix[c, :c], matrix[c, c + 1:]])
-            i = t - (t > c)
-            row_z = _robust_z(torch.cat([row[:c], row[c + 1:]]), i, _logit_noise_floor(rest, i, per_source))
-            if _p_value(row_z, k - 1) < alpha and matrix[c, t] >= 0.5:
-                found[c] = t
-        if len(found) >= k // 2 and len(set(found.values())) > 1:  # every source onto one label is no all-to-all map
-            label_map = found
+        label_map = all_to_all_map(matrix, max(1, len(xh) // k), alpha)
     return Detection(bool(suspected), label, top, round(z, 3), p, alpha,
                      [round(v, 4) for v in rates], label_map, gap, None if gap_score is None else round(gap_score, 3),
                      len(pick), fb, fw, evidence, [round(v, 4) for v in per_image] or None,

@@ -544,3 +544,18 @@ def test_weak_evidence_threshold_keeps_the_chance_of_a_benign_top_label_across_l
     z43 = weak_evidence_threshold(WEAK_EVIDENCE_Z, 43)
     assert 2.5 < z43 < 2.6 and weak_evidence_threshold(WEAK_EVIDENCE_Z, 5) < WEAK_EVIDENCE_Z < z43
     assert abs(norm.cdf(z43) ** 43 - norm.cdf(WEAK_EVIDENCE_Z) ** 10) < 1e-9
+
+
+def test_all_to_all_map_needs_one_target_per_source_not_one_label_for_all():
+    """The all-to-all diagnosis: y -> y + 1 rows give the map; every source landing on one label is an
+    all-to-one pattern, not a map; rows where nothing stands out give nothing."""
+    from pbe.detection import ALPHA, all_to_all_map
+    k, n = 10, 200  # held-out images per source class
+    base = torch.full((k, k), 0.02).fill_diagonal_(0.0)
+    shifted = base.clone()
+    shifted[torch.arange(k), (torch.arange(k) + 1) % k] = 0.9
+    assert all_to_all_map(shifted, n, ALPHA) == {c: (c + 1) % k for c in range(k)}
+    onto_one = base.clone()
+    onto_one[1:, 0] = 0.9
+    assert all_to_all_map(onto_one, n, ALPHA) is None
+    assert all_to_all_map(base, n, ALPHA) is None
