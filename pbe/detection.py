@@ -83,8 +83,8 @@ from pbe.utils import PBEError
 
 SCAN_L2_RMS = 1.0 / math.sqrt(3 * 32 * 32)  # L2 norm 1 on a CIFAR-10 image (dev-set choice)
 SCAN_IMAGES = 256  # images that optimise each label's perturbation (as many more measure it)
-SCAN_EPOCHS = 2  # passes over the fitting images (dev set: 2 passes of 16-image steps beat method 9's 4 of 128 at
-SCAN_BATCH = 16  # half the cost; Input-aware z 5.58 vs 3.94, Blend 11.88 vs 8.90, every verdict the same)
+SCAN_EPOCHS = 2  # passes over the fitting images (CIFAR-10 dev, 256 images per label: 2 passes of 16-image steps
+SCAN_BATCH = 16  # beat method 9's 4 of 128 at half the cost, Input-aware z 5.58 vs 3.94, every verdict the same)
 PER_IMAGE_EPS = 2 / 255  # the per-image probe's L-inf budget, when asked for (method 3's default)
 WARP_SHIFT = 0.5 / 32  # the warp scan's largest displacement, a share of the image side (0.5 px on CIFAR-10;
 #                        there WaNet's target is reached from 100 % of held-out images, dev set)
@@ -240,7 +240,8 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
     `dataset` then being the test set) also the clean-label test; `warp_shift` the warp scan's budget
     as a share of the image side (0: no warp scan); `pgd_eps` the per-image probe's L-inf budget (default 0: off);
     `images` fit each label's perturbation and `held_out` (default: as many) measure it; with more than
-    `label_budget` classes these counts (and the per-label sample of the gap) are scaled by
+    `label_budget` classes these counts (and the gap's per-label sample, and the held-out images of each
+    cluster's trigger) are scaled by
     ``label_budget / C``, so that the cost stays that of `label_budget` labels (None: never scaled). See the
     module docstring.
 
