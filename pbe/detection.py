@@ -241,9 +241,8 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
     as a share of the image side (0: no warp scan); `pgd_eps` the per-image probe's L-inf budget (default 0: off);
     `images` fit each label's perturbation and `held_out` (default: as many) measure it; with more than
     `label_budget` classes these counts (and the gap's per-label sample, and the held-out images of each
-    cluster's trigger) are scaled by
-    ``label_budget / C``, so that the cost stays that of `label_budget` labels (None: never scaled). See the
-    module docstring.
+    cluster's trigger) are scaled by ``label_budget / C``, so that the cost stays that of `label_budget`
+    labels (None: never scaled). See the module docstring.
 
     Example::
 
