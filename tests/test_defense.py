@@ -559,3 +559,22 @@ def test_all_to_all_map_needs_one_target_per_source_not_one_label_for_all():
     onto_one[1:, 0] = 0.9
     assert all_to_all_map(onto_one, n, ALPHA) is None
     assert all_to_all_map(base, n, ALPHA) is None
+
+
+def test_cheap_scan_runs_pbes_target_scan_at_detects_own_cost(blend_model):
+    """cheap_scan: PBE's target scan takes pbe.detect's defaults (fewer, smaller steps; per-label counts shared
+    out over the labels) instead of SCAN_BUDGET's; the default keeps SCAN_BUDGET (the budget its rows used)."""
+    from dataclasses import replace
+
+    import pbe.defenses.pbe as defense
+    from pbe.detection import detect as scan
+    model, _, poisoned = blend_model
+    s = replace(DIGITS_SCHEDULE, refuse_suspected=True, early_stop=False, scan_l2_rms=DIGITS_SCAN_L2_RMS,
+                fractions=(0.2,), epochs=(1,), adv_batches=(None,))
+    scans = {}
+    for cheap in (False, True):
+        _, report = erase(model, poisoned, replace(s, cheap_scan=cheap), seed=0, progress=False)
+        scans[cheap] = report["scan"]
+    full = scan(model, poisoned, l2_rms=DIGITS_SCAN_L2_RMS, seed=0, **defense.SCAN_BUDGET)
+    assert scans[False]["forward_backward"] == full.forward_backward and scans[False]["rates"] == full.rates
+    assert scans[True]["forward_backward"] < scans[False]["forward_backward"]
