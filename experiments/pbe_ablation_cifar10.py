@@ -215,12 +215,19 @@ class AblationTable(ResultsTable):
         return "Variants:\n\n" + "\n".join(f"- **{v}**: {w}" for v, w in what.items())
 
 
+def _dataset_flag(dataset: str) -> str:
+    """The command-line flag that selects `dataset` (none for the default, CIFAR-10)."""
+    if dataset not in DATASET_NAMES:
+        raise PBEError(f"pbe_ablation_cifar10: dataset must be one of {', '.join(DATASET_NAMES)}, got {dataset!r}")
+    return "" if dataset == "cifar10" else f" --dataset {dataset}"
+
+
 def results_table(cfg: dict | None = None) -> AblationTable:
     """This script's table (``experiments/render.py`` re-renders it); one per dataset (`dataset` key)."""
     dataset = (cfg or {}).get("dataset", "cifar10")
+    flag = _dataset_flag(dataset)  # (checks the name first)
     return AblationTable(RESULTS / f"pbe_ablation_{dataset}", f"PBE ablation on the {DATASET_NAMES[dataset]} dev zoo",
-                         "python experiments/pbe_ablation_cifar10.py" + ("" if dataset == "cifar10" else
-                                                                         f" --dataset {dataset}"))
+                         "python experiments/pbe_ablation_cifar10.py" + flag)
 
 
 # "pairs": only these "zoo-name variant" cells (the table's own list: the variants were tried where they
@@ -241,8 +248,6 @@ def cells(cfg: dict) -> list[Cell]:
     pairs = None if cfg["pairs"] is None else {tuple(p.split()) for p in cfg["pairs"]}
     if pairs is not None and {v for _, v in pairs} - set(VARIANTS):
         raise PBEError(f"pbe_ablation_cifar10: unknown variants in pairs: {sorted({v for _, v in pairs} - set(VARIANTS))}")
-    if cfg["dataset"] not in DATASET_NAMES:
-        raise PBEError(f"pbe_ablation_cifar10: dataset must be one of {', '.join(DATASET_NAMES)}, got {cfg['dataset']!r}")
     for entry in built_zoo_models("dev", cfg["dataset"], cfg["only"], infected=False):
         for variant in cfg["variants"] if pairs is None else [v for n, v in sorted(pairs) if n == entry.name]:
             if variant.endswith(ORACLE) and (not entry.infected or entry.all_to_all or entry.target is None):
@@ -274,7 +279,7 @@ def run_cell(name: str, variant: str, seed: int) -> dict:
             "detection": report["rounds"][-1].get("detection"), "wall_s": report["wall_s"],
             "epoch_equivalents": report["epoch_equivalents"],
             "command": f"python experiments/pbe_ablation_cifar10.py --only {name} --variants {variant} --seed {seed}"
-                       + ("" if entry.dataset == "cifar10" else f" --dataset {entry.dataset}"),
+                       + _dataset_flag(entry.dataset),
             "hardware": hardware_string(), "toolkit_version": toolkit_version(),
             "zoo_sha256": z.row["sha256"], "variant": variant, "what": what,
             "schedule_fields": report["schedule"], "stopped_early": report["stopped_early"],

@@ -268,7 +268,11 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
     if not (isinstance(batch_size, int) and batch_size >= 1):
         raise PBEError(f"detect: batch_size must be an int >= 1, got {batch_size!r}")
     scale = 1.0 if label_budget is None else min(1.0, label_budget / k)
-    images, held_out = max(k, round(images * scale)), max(k, round(held_out * scale))
+
+    def scaled(count: int) -> int:
+        """A per-label count shared out over the labels (at least one image per label)."""
+        return max(k, round(count * scale))
+    images, held_out = scaled(images), scaled(held_out)
     gen = torch.Generator().manual_seed(seed)
     pick = torch.randperm(len(dataset), generator=gen)[:images + held_out]
     x, y = dataset.images[pick], dataset.labels[pick]
@@ -330,8 +334,7 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
         sample = torch.cat([order[train_data.labels[order] == c][:ISOLATION_PER_LABEL] for c in range(k)])
         if has_linear_head(model):
             iso, passes = isolate(model, train_data.images[sample], train_data.labels[sample],
-                                  penultimate(model, train_data.images[sample]), gen, seed,
-                                  max(k, round(ISOLATION_HELD_OUT * scale)))
+                                  penultimate(model, train_data.images[sample]), gen, seed, scaled(ISOLATION_HELD_OUT))
             fw += len(sample) + passes
     scores, tried = {name: round(t[1], 3) for name, t in tests.items()}, len(tests)
     if "gap" in tests and (iso is None or iso.whole_label != tests["gap"][0]):

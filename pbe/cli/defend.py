@@ -292,7 +292,8 @@ def register(sub) -> None:
     p.add_argument("--method", choices=["universal", "kappa"], default="universal",
                    help="universal: one small targeted universal perturbation per label, null from the other "
                    "labels (default); kappa: PBE's adversarial-label concentration (the monitor)")
-    p.add_argument("--images", type=int, default=SCAN_IMAGES, help=f"universal: images fitting each label's perturbation (as many measure it; default "
+    p.add_argument("--images", type=int, default=SCAN_IMAGES,
+                   help=f"universal: images fitting each label's perturbation (as many measure it; default "
                    f"{SCAN_IMAGES}, scaled by {BUDGET_LABELS} / C with more than {BUDGET_LABELS} labels)")
     p.add_argument("--l2-rms", type=float, default=SCAN_L2_RMS, help="universal: L2 budget as the root-mean-square "
                    f"change per pixel (default {SCAN_L2_RMS:.4f}: norm 1 on a 3x32x32 image)")

@@ -447,9 +447,9 @@ class PBE(Defense):
         allowed, target, flagged, from_scan = torch.ones(n, dtype=torch.bool), self.params["target"], False, False
         if target is not None and target >= data.num_classes:
             raise PBEError(f"pbe: target {target} is not a label of the data ({data.num_classes} classes)")
-        budget = {} if s.cheap_scan else SCAN_BUDGET  # the scan's (and the early stop's rescans')
+        scan_budget = {} if s.cheap_scan else SCAN_BUDGET  # the scan's (and the early stop's rescans')
         if s.refuse_suspected or s.universal_target or s.pgd_targeted:
-            scan = detect(original, data, l2_rms=s.scan_l2_rms, seed=ctx.seed, **budget)
+            scan = detect(original, data, l2_rms=s.scan_l2_rms, seed=ctx.seed, **scan_budget)
             ctx.cost.forward_backward += scan.forward_backward
             ctx.cost.forward += scan.forward
             report["scan"] = scan.as_dict()
@@ -523,7 +523,7 @@ class PBE(Defense):
             # before and no longer does
             if s.early_stop and t + 1 < len(s.fractions):
                 if flagged:  # re-measure only the statistic that flagged it (the per-image probe costs most)
-                    rescan = detect(model, data, l2_rms=s.scan_l2_rms, seed=ctx.seed, **budget,
+                    rescan = detect(model, data, l2_rms=s.scan_l2_rms, seed=ctx.seed, **scan_budget,
                                     warp_shift=WARP_SHIFT if scan.evidence == "warp" else 0.0)
                     ctx.cost.forward_backward += rescan.forward_backward
                     ctx.cost.forward += rescan.forward
