@@ -517,6 +517,22 @@ CLI_CASES = [
 ]
 
 
+def test_cli_reader_gone_is_quiet():
+    """`pbe ... | head -1`: the closed pipe ends the command with the shell's SIGPIPE status and no error."""
+    import os
+    import subprocess
+    import sys
+    from pbe.cli import SIGPIPE_EXIT
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line
+    try:
+        r = subprocess.run([sys.executable, "-m", "pbe.cli", "zoo", "list"], stdout=write_end,
+                           stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write_end)
+    assert r.returncode == SIGPIPE_EXIT and r.stderr == "", r.stderr
+
+
 @pytest.mark.parametrize("argv,match", CLI_CASES, ids=[" ".join(c[0][:4]) for c in CLI_CASES])
 def test_cli_user_error_is_one_line_and_exit_2(files, tmp_path, capsys, argv, match):
     import re

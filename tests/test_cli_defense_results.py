@@ -25,8 +25,11 @@ def test_cli_detect_and_erase_no_clean(attack_run, tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("backdoor suspected: adversarial examples point to label 0")
     # an 8x8 digit at L2 norm ~1 (0.12 per pixel): the target is reached from almost every image, other labels
-    # from few (at 0.2 every label is reachable and nothing stands out)
-    r = run_cli("detect", "--model", str(attack_run), "--l2-rms", "0.12", "--out", str(tmp_path / "det"))
+    # from few (at 0.2 every label is reachable and nothing stands out). The training split's 1,437 digits, not
+    # the test split's 360: with ~30 held-out images per label the score swung from z 3.2 to 6.2 between models
+    # trained on 1 and 2 threads (float order); with 600 it is z 4.6-5.6 on both (p <= 5e-5 against 0.01)
+    r = run_cli("detect", "--model", str(attack_run), "--l2-rms", "0.12", "--split", "train", "--images", "600",
+                "--out", str(tmp_path / "det"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("backdoor suspected: target label 0"), r.stdout
     found = json.loads((tmp_path / "det" / "detect.json").read_text())

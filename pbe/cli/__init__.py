@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from pbe.cli import attack, defend, train, zoo
 from pbe.utils import PBEError
+
+
+SIGPIPE_EXIT = 141  # what a shell reports for a command stopped by SIGPIPE (128 + 13)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -33,10 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         args.func(args)
+        sys.stdout.flush()  # here, where a reader that went away is caught below, not at the interpreter's exit
     except PBEError as err:
         print(f"pbe {args.command}: error: {'; '.join(s.strip() for s in str(err).splitlines() if s.strip())}",
               file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (``pbe zoo list | head -1``): not an error of the command
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot raise again
+        return SIGPIPE_EXIT
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:  # a file the user named: one line
         name = getattr(err, "filename", None)
         what = f"{err.strerror}: {name}" if getattr(err, "strerror", None) and name else str(err) or type(err).__name__
