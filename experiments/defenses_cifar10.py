@@ -21,7 +21,8 @@ import json
 from statistics import mean
 
 from common import (
-    HERE, RESULTS, ROOT, RUNS, DefenceTable, built_zoo_models, data_args, defence_row, same_zoo_model, zoo_cell)
+    HERE, RESULTS, ROOT, RUNS, DefenceTable, built_zoo_models, data_args, defence_name, defence_row, same_zoo_model,
+    zoo_cell)
 from common import run_cell as run_command
 from grid import Cell, execute, median_cost
 
@@ -29,7 +30,8 @@ from pbe import defenses, zoo
 from pbe.train import get_recipe
 from pbe.utils import PBEError
 
-ATTACKS = ["badnets", "blend", "sig", "wanet", "input_aware"]  # column order of the summary
+MODELS = ["badnets", "badnets_a2a", "blend", "sig", "sig_poison_label", "wanet", "input_aware"]  # summary columns
+BACKDOORBENCH_ATTACK = {m: m for m in ("badnets", "blend", "sig", "wanet", "input_aware")}  # ours -> its rows
 
 ORDER = ["ft", "fp", "nad", "anp", "ibau", "aft", "sau", "pbe", "pbe_lr1e-3", "abl", "ac", "ss", "strip"]
 # labelled variants: a row name -> (registered defence, parameters). PBE's `fast` schedule fine-tunes at
@@ -58,8 +60,12 @@ def cpu_budget(defense: str, recipe: str) -> dict:
             "strip": {"n": 10, "retrain": recipe}}.get(defense, {})
 
 
+def backdoorbench() -> dict:
+    return json.loads((HERE / "reference" / "backdoorbench_cifar10_preact_pratio0.1.json").read_text())
+
+
 def reference_markdown() -> str:
-    ref = json.loads((HERE / "reference" / "backdoorbench_cifar10_preact_pratio0.1.json").read_text())
+    ref = backdoorbench()
     columns = [d for d in ["none"] + ORDER if any(r["defense"] == d for r in ref["rows"])]
     lines = ["## For reference only: BackdoorBench's published numbers (not comparable column by column)", "",
              f"Source: {ref['source']}. Setting: {ref['setting']}. {ref['missing']}. ACC / ASR / RA in %.", "",
@@ -71,56 +77,96 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
+def model_of(r: dict) -> str:
+    """A row's infected model as the summaries name it: the zoo name without its dataset (two SIG models
+    and BadNets all-to-all are columns of their own), or the attack for rows made before the zoo."""
+    return r["zoo"].split("/", 1)[1] if r.get("zoo") else r["attack"]
+
+
+def models_in(rows: list[dict]) -> list[str]:
+    found = list(dict.fromkeys(model_of(r) for r in rows))
+    return [m for m in MODELS if m in found] + [m for m in found if m not in MODELS]
+
+
 def matrix_markdown(rows: list[dict]) -> str:
     """ACC / ASR after each defence (rows) on each infected model (columns): the at-a-glance view."""
-    attacks = [a for a in ATTACKS if any(r["attack"] == a for r in rows)]
-    lines = ["## ACC / ASR (%) after each defence, per attack", "",
-             "| defense | setting | " + " | ".join(attacks) + " |", "|---|---|" + "---|" * len(attacks)]
-    last = {a: [r for r in rows if r["attack"] == a][-1] for a in attacks}  # the newest build of the model
+    models = models_in(rows)
+    lines = ["## ACC / ASR (%) after each defence, per infected model", "",
+             "| defense | setting | " + " | ".join(models) + " |", "|---|---|" + "---|" * len(models)]
+    last = {m: [r for r in rows if model_of(r) == m][-1] for m in models}  # the newest build of the model
     lines.append("| none (infected) | – | " + " | ".join(
-        f"{100 * last[a]['acc_before']:.1f} / {100 * last[a]['asr_before']:.1f}" for a in attacks) + " |")
+        f"{100 * last[m]['acc_before']:.1f} / {100 * last[m]['asr_before']:.1f}" for m in models) + " |")
     for d in ORDER:
-        cells = {r["attack"]: r for r in rows if r["defense"] == d}
+        cells = {model_of(r): r for r in rows if r["defense"] == d}
         if cells:
             lines.append(f"| {d} | {setting_of(d)} | " + " | ".join(
-                f"{100 * cells[a]['acc']:.1f} / {100 * cells[a]['asr']:.1f}" if a in cells else "–"
-                for a in attacks) + " |")
+                f"{100 * cells[m]['acc']:.1f} / {100 * cells[m]['asr']:.1f}" if m in cells else "–"
+                for m in models) + " |")
     return "\n".join(lines)
 
 
-def summary_markdown(rows: list[dict]) -> str:
-    """Means per defence over the attacks that every defence in the table has run (labelled variants
-    aside), so that the means compare like with like; the matrix above shows the rest."""
-    measured = {(r["attack"], r["defense"]) for r in rows}
+def common_models(rows: list[dict]) -> tuple[list[str], list[str]]:
+    """The infected models every defence in the rows has run (labelled variants do not hold the others back),
+    and the defences that ran on all of them: the means compare like with like."""
+    measured = {(model_of(r), r["defense"]) for r in rows}
     present = [d for d in ORDER if any(m[1] == d for m in measured)]
-    common = [a for a in ATTACKS  # variants (VARIANTS) do not hold the others back
-              if all((a, d) in measured for d in present if d not in VARIANTS)]
-    present = [d for d in present if all((a, d) in measured for a in common)]
+    common = [m for m in models_in(rows) if all((m, d) in measured for d in present if d not in VARIANTS)]
+    return common, [d for d in present if all((m, d) in measured for m in common)]
+
+
+def means(rows: list[dict], defense: str, models: list[str]) -> dict:
+    """A defence's mean ACC, ASR, RA, DER, wall time and epoch-equivalents over `models` (None where unmeasured)."""
+    rs = [r for r in rows if r["defense"] == defense and model_of(r) in models]
+    out = {}
+    for key in ("acc", "asr", "ra", "der", "wall_s", "epoch_equivalents", "acc_before"):
+        vals = [r[key] for r in rs if r.get(key) is not None]
+        out[key] = mean(vals) if vals else None
+    for key in ("precision", "recall"):
+        vals = [r["detection"][key] for r in rs if r.get("detection") and r["detection"].get(key) is not None]
+        out[key] = mean(vals) if vals and defense in ("ac", "ss", "strip") else None
+    return out
+
+
+def backdoorbench_means(defense: str, models: list[str]) -> str:
+    """BackdoorBench's mean ACC / ASR for a defence over those of `models` it has published, with their count."""
+    attacks = {BACKDOORBENCH_ATTACK[m] for m in models if m in BACKDOORBENCH_ATTACK}
+    rows = [r for r in backdoorbench()["rows"] if r["defense"] == defense and r["attack"] in attacks]
+    if not rows:
+        return "–"
+    return f"{mean(r['acc'] for r in rows):.1f} / {mean(r['asr'] for r in rows):.1f} ({len(rows)})"
+
+
+def summary_markdown(rows: list[dict]) -> str:
+    """Means per defence, split by setting, over the models that every defence in the table has run, with
+    BackdoorBench's published means over the same attacks beside them; the matrix above shows the rest."""
+    common, present = common_models(rows)
+    fmt = {"acc": "{:.2f}", "asr": "{:.2f}", "ra": "{:.2f}", "der": "{:.3f}", "precision": "{:.1f}",
+           "recall": "{:.1f}", "wall_s": "{:.0f}", "epoch_equivalents": "{:.2f}"}  # the header's order
+    scale = {"acc": 100, "asr": 100, "ra": 100, "precision": 100, "recall": 100}
     lines = [matrix_markdown(rows), "",
-             f"## Mean over the attacks every defence has run ({', '.join(common) or 'none yet'})", "",
-             "| defense | setting | ACC % | ASR % | RA % | DER | det. precision % | det. recall % | "
-             "wall s | epoch-eq. |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for d in present if common else []:
-        rs = [r for r in rows if r["defense"] == d and r["attack"] in common]
-
-        def avg(key, rs=rs):
-            vals = [r[key] for r in rs if r.get(key) is not None]
-            return mean(vals) if vals else None
-
-        def det(key, rs=rs):
-            vals = [r["detection"][key] for r in rs if r.get("detection") and r["detection"].get(key) is not None]
-            return f"{100 * mean(vals):.1f}" if vals and d in ("ac", "ss", "strip") else "–"
-
-        pct = [("–" if avg(k) is None else f"{100 * avg(k):.2f}") for k in ("acc", "asr", "ra")]
-        lines.append(f"| {d} | {rs[0]['setting']} | " + " | ".join(pct)
-                     + f" | {avg('der'):.3f} | {det('precision')} | {det('recall')} | {avg('wall_s'):.0f} | "
-                     f"{avg('epoch_equivalents'):.2f} |")
-    return "\n".join(lines) + "\n\n" + reference_markdown()
+             f"## Mean over the models every defence has run ({', '.join(common) or 'none yet'})", "",
+             "Split by setting: clean-extra defences get 5 % clean training data, no-clean ones only the "
+             "(poisoned) training set. BackdoorBench's column is its own published mean over the same attacks "
+             "(its count in brackets; PreAct-ResNet-18 at width 64, 100-epoch budgets): a reference, not a "
+             "measurement of this toolkit.", ""]
+    for setting in ("clean-extra", "no-clean"):
+        ds = [d for d in present if setting_of(d) == setting]
+        if not ds or not common:
+            continue
+        lines += [f"### {setting}", "",
+                  "| defense | ACC % | ASR % | RA % | DER | det. precision % | det. recall % | wall s | epoch-eq. | "
+                  "BackdoorBench ACC / ASR % |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for d in ds:
+            m = means(rows, d, common)
+            cells = ["–" if m[k] is None else fmt[k].format(scale.get(k, 1) * m[k]) for k in fmt]
+            lines.append(f"| {d} | " + " | ".join(cells) + f" | {backdoorbench_means(d, common)} |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n\n" + reference_markdown()
 
 
 def summary_by_model(rows: list[dict]) -> str:
-    """One summary per group of infected models: the zoo's models, and the older rows without a zoo."""
-    zoo_rows = [r for r in rows if r.get("zoo") and not r["all_to_all"]]
+    """One summary for the zoo's models, one for the older rows without a zoo."""
+    zoo_rows = [r for r in rows if r.get("zoo")]
     old = [r for r in rows if not r.get("zoo") and not r["all_to_all"]]
     parts = []
     if zoo_rows:
@@ -130,6 +176,25 @@ def summary_by_model(rows: list[dict]) -> str:
         parts.append("# Earlier rows: 4-epoch `quick` models trained before the zoo existed\n\n"
                      + summary_markdown(old))
     return "\n\n".join(parts)
+
+
+class DefencesTable(DefenceTable):
+    """The defences table: its figure shows the zoo's models (the older rows stay in the table), with each
+    defence's means over the models every defence has run."""
+
+    def figure(self):
+        from pbe.plots import defence_bars
+        rows = [r for r in self.rows if r.get("zoo")] or self.rows
+        order = models_in(rows)
+        rows = sorted(rows, key=lambda r: order.index(model_of(r)))  # the summaries' column order
+        common, present = common_models(rows)
+        summary = []
+        for d in present if common else []:
+            m = means(rows, d, common)
+            summary.append({"name": d, "group": setting_of(d), "asr": m["asr"],
+                            "acc_drop": m["acc_before"] - m["acc"]})
+        over = ", ".join(common) if len(common) < 3 else f"{len(common)} models"
+        return defence_bars(rows, defence_name, model=model_of, means=summary, means_title=f"mean over {over}")
 
 
 def copy_pbe_row(cell: dict) -> dict | None:
@@ -145,19 +210,26 @@ def copy_pbe_row(cell: dict) -> dict | None:
     return None
 
 
-def results_table(cfg: dict | None = None) -> DefenceTable:
+def results_table(cfg: dict | None = None) -> DefencesTable:
     """This script's table (``experiments/render.py`` re-renders it); the published budgets' rows
     (``paper_budget``) have a table of their own, so that the CPU rows and they are two cells each."""
     if cfg and cfg.get("paper_budget"):
-        return DefenceTable(RESULTS / "defenses_cifar10_paper", "Defences at their published budgets on infected "
+        return DefencesTable(RESULTS / "defenses_cifar10_paper", "Defences at their published budgets on infected "
                             "CIFAR-10 models", "python experiments/defenses_cifar10.py --paper-budget",
                             footer=summary_by_model)
-    return DefenceTable(RESULTS / "defenses_cifar10", "Defences side by side on infected CIFAR-10 models",
+    return DefencesTable(RESULTS / "defenses_cifar10", "Defences side by side on infected CIFAR-10 models",
                         "python experiments/defenses_cifar10.py", footer=summary_by_model)
 
 
 CONFIG = {"set": "dev", "only": None, "defenses": list(ORDER), "paper_budget": False, "seeds": [0]}
 DEFAULT_ESTIMATE = 3.0  # epoch-equivalents of a defence without a row yet
+
+
+def estimate(table, defense: str, zoo_set: str) -> float:
+    """A cell's cost: the median of the defence's rows on this zoo set, else of all its rows (the 4-epoch
+    models' filtering rows retrained for 4 epochs, the zoo's for 15), else DEFAULT_ESTIMATE."""
+    return median_cost(table, median_cost(table, DEFAULT_ESTIMATE, defense=defense), defense=defense,
+                       zoo_set=zoo_set)
 
 
 def cells(cfg: dict) -> list[Cell]:
@@ -167,7 +239,7 @@ def cells(cfg: dict) -> list[Cell]:
     table = results_table(cfg)
     return [Cell("defenses_cifar10", f"{e.name} {defense} seed {seed}", zoo_cell(e, defense, setting_of(defense), seed),
                  {"name": e.name, "defense": defense, "seed": seed, "paper_budget": cfg["paper_budget"]},
-                 median_cost(table, DEFAULT_ESTIMATE, defense=defense), zoo=e.name)
+                 estimate(table, defense, cfg["set"]), zoo=e.name)
             for e in built_zoo_models(cfg["set"], "cifar10", cfg["only"]) for defense in cfg["defenses"]
             for seed in cfg["seeds"]]
 

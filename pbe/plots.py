@@ -58,34 +58,66 @@ def _save(fig, path) -> None:
     _plt().close(fig)
 
 
-def defence_bars(rows: list[dict], series) -> object | None:
-    """Per infected model (x) and defence (`series(row)`, one bar colour each): ASR after the defence
-    (the model's ASR before it as a black tick) and the ACC drop in points. Returns the figure."""
+def _colours(n: int) -> list:
+    """`n` distinguishable colours: matplotlib's 10-colour cycle, its 20-colour map beyond ten."""
+    plt = _plt()
+    return [f"C{i}" for i in range(n)] if n <= 10 else [plt.get_cmap("tab20")(i % 20) for i in range(n)]
+
+
+def _default_model(r: dict) -> str:
+    return r.get("zoo") or f"{r['attack']} {r['rate']:.0%} ({r['recipe']})"
+
+
+def defence_bars(rows: list[dict], series, model=_default_model, means: list[dict] | None = None,
+                 means_title: str = "means") -> object | None:
+    """Per infected model (x, `model(row)`) and defence (`series(row)`, one bar colour each): ASR after the
+    defence (the model's ASR before it as a black tick) and the ACC drop in points. With `means` (dicts of
+    ``name`` (a defence as the rows call it), ``group`` (its setting), ``asr`` and ``acc_drop``, shares in
+    [0, 1]) a panel beside them places each defence's means: ASR after against ACC drop, one marker per group.
+    Returns the figure."""
     rows = [r for r in rows if r.get("asr_before") is not None and r.get("acc_before") is not None]
     if not rows:
         return None
     plt = _plt()
-    def model(r):
-        return r.get("zoo") or f"{r['attack']} {r['rate']:.0%} ({r['recipe']})"
     models = list(dict.fromkeys(model(r) for r in rows))
     names = list(dict.fromkeys(series(r) for r in rows))
+    colour = dict(zip(names, _colours(len(names))))
     width = 0.8 / len(names)
-    fig, axes = plt.subplots(2, 1, figsize=(max(7, 1.1 * len(models) * max(1, len(names) / 3)), 6), sharex=True)
+    bars_width = max(7, 1.1 * len(models) * max(1, len(names) / 3))
+    fig = plt.figure(figsize=(bars_width + (6 if means else 0), 6))
+    grid = fig.add_gridspec(2, 2 if means else 1, width_ratios=[bars_width, 6] if means else None)
+    top = fig.add_subplot(grid[0, 0])
+    axes = [top, fig.add_subplot(grid[1, 0], sharex=top)]
     for j, name in enumerate(names):
         for i, m in enumerate(models):
             r = next((r for r in rows if series(r) == name and model(r) == m), None)
             if r is None:
                 continue
             x = i - 0.4 + width * (j + 0.5)
-            axes[0].bar(x, 100 * r["asr"], width, color=f"C{j}", label=name)
+            axes[0].bar(x, 100 * r["asr"], width, color=colour[name], label=name)
             axes[0].plot([x - width / 2, x + width / 2], [100 * r["asr_before"]] * 2, "k-", lw=1)
-            axes[1].bar(x, 100 * (r["acc_before"] - r["acc"]), width, color=f"C{j}")
+            axes[1].bar(x, 100 * (r["acc_before"] - r["acc"]), width, color=colour[name])
     handles = {h.get_label(): h for h in axes[0].containers}  # one bar per (model, defence): one handle each
     axes[0].legend(list(handles.values()), list(handles), fontsize=8, ncol=min(4, len(names)))
     axes[0].set(ylabel="ASR after (%)", ylim=(0, 105), title="black ticks: ASR before")
     axes[1].set(ylabel="ACC drop (points)")
     axes[1].axhline(0, color="grey", lw=0.5)
     axes[1].set_xticks(range(len(models)), models, rotation=30, ha="right", fontsize=8)
+    if means:
+        ax = fig.add_subplot(grid[:, 1])
+        markers = dict(zip(dict.fromkeys(m["group"] for m in means), "osD^v"))
+        for m in means:
+            by_name = next((n for n in names if n == m["name"] or n.startswith(m["name"] + " (")), None)
+            ax.scatter(100 * m["asr"], 100 * m["acc_drop"], s=60, marker=markers[m["group"]],
+                       color=colour.get(by_name, "grey"), edgecolor="k")
+            ax.annotate(m["name"], (100 * m["asr"], 100 * m["acc_drop"]), xytext=(4, 3),
+                        textcoords="offset points", fontsize=8)
+        for group, marker in markers.items():
+            ax.scatter([], [], marker=marker, color="white", edgecolor="k", label=group)
+        ax.legend(fontsize=8, loc="upper right")
+        ax.set(xlabel="mean ASR after (%)", ylabel="mean ACC drop (points)", xlim=(-3, 105),
+               title=f"{means_title}: lower left is better")
+        ax.axhline(0, color="grey", lw=0.5)
     fig.tight_layout()
     return fig
 

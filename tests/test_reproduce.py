@@ -152,3 +152,31 @@ def test_published_budget_rows_are_cells_of_their_own():
 
     cpu, paper = (defenses_cifar10.results_table({"paper_budget": p}) for p in (False, True))
     assert cpu.json_path.name == "defenses_cifar10.json" and paper.json_path.name == "defenses_cifar10_paper.json"
+
+
+def test_defences_summary_keeps_models_apart_and_splits_settings():
+    """The defences summary: two zoo models of one attack (SIG clean-label and poison-label) are two columns,
+    means are taken over the models every defence has run, split by setting, with BackdoorBench's own mean
+    over the same attacks in a column of its own; the figure adds a panel of the means."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    import defenses_cifar10 as dc
+
+    def row(zoo, defense, acc, asr):
+        return {"zoo": zoo, "attack": "sig" if "sig" in zoo else "badnets", "all_to_all": False, "defense": defense,
+                "setting": dc.setting_of(defense), "acc_before": 0.85, "asr_before": 1.0, "acc": acc, "asr": asr,
+                "ra": 0.5, "der": 0.9, "wall_s": 10.0, "epoch_equivalents": 1.0, "detection": None, "rate": 0.1,
+                "recipe": "cpu"}
+    rows = [row("cifar10/sig", "ft", 0.84, 0.2), row("cifar10/sig_poison_label", "ft", 0.83, 0.6),
+            row("cifar10/sig", "pbe", 0.80, 0.1), row("cifar10/sig_poison_label", "pbe", 0.82, 0.3),
+            row("cifar10/badnets", "ft", 0.84, 1.0)]  # badnets has no PBE row: not in the means
+    common, present = dc.common_models(rows)
+    assert common == ["sig", "sig_poison_label"] and present == ["ft", "pbe"]
+    assert abs(dc.means(rows, "pbe", common)["asr"] - 0.2) < 1e-9
+    md = dc.summary_markdown(rows)
+    assert "| defense | setting | badnets | sig | sig_poison_label |" in md
+    clean_extra, no_clean = md.split("### clean-extra")[1].split("### no-clean")
+    bb = [r for r in dc.backdoorbench()["rows"] if r["attack"] == "sig" and r["defense"] == "ft"][0]
+    assert "| ft | 83.50 | 40.00 |" in clean_extra and f"{bb['acc']:.1f} / {bb['asr']:.1f} (1) |" in clean_extra
+    assert "| pbe | 81.00 | 20.00 |" in no_clean.split("## ")[0] and "pbe" not in clean_extra
+    fig = dc.DefencesTable.figure(type("T", (), {"rows": rows})())
+    assert len(fig.axes) == 3 and len(fig.axes[2].collections) == 2 + 2  # two means, two setting markers
