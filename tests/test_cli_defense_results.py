@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -8,14 +9,17 @@ from pbe.results import REQUIRED, ResultsTable
 from pbe.utils import PBEError
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "pbe.cli", *args], capture_output=True, text=True)
+def run_cli(*args, threads: int | None = None):
+    """`pbe ARGS` in a subprocess; `threads` pins torch's thread count (a model it trains is then the same
+    on every machine with this kind of CPU: see conftest.one_thread)."""
+    env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    return subprocess.run([sys.executable, "-m", "pbe.cli", *args], capture_output=True, text=True, env=env)
 
 
 @pytest.fixture(scope="module")
 def attack_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("blend_run")
-    r = run_cli("attack", "--attack", "blend", "--epochs", "12", "--out", str(out), "--no-progress")
+    r = run_cli("attack", "--attack", "blend", "--epochs", "12", "--out", str(out), "--no-progress", threads=1)
     assert r.returncode == 0, r.stderr
     return out
 

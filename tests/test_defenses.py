@@ -48,12 +48,12 @@ def _run(name, model_fixture, clean_extra, digits, **extra):
     return _CACHE[key]
 
 
-def _run_uncached(name, model_fixture, clean_extra, digits, **extra):
+def _run_uncached(name, model_fixture, clean_extra, digits, seed=0, **extra):
     model, attack, poisoned = model_fixture
     defense = defenses.create(name, **{**TINY[name], **extra})
     data = clean_extra if defense.setting == "clean-extra" else poisoned
     ev = Evaluation(digits[1], attack, poisoned.poison_indices)
-    return defense(model, data, progress=False, evaluation=ev, train_size=len(digits[0]))
+    return defense(model, data, progress=False, evaluation=ev, train_size=len(digits[0]), seed=seed)
 
 
 def test_registry_lists_every_defence_and_rejects_bad_input(clean_extra):
@@ -223,6 +223,10 @@ def test_strip_retrains_without_flagged_samples(badnets_model, clean_extra, digi
 
 
 def test_defences_are_reproducible_to_the_seed(badnets_model, clean_extra, digits):
-    a = _run("nad", badnets_model, clean_extra, digits, epochs=2, teacher_epochs=1).model.state_dict()
-    b = _run("nad", badnets_model, clean_extra, digits, epochs=2, teacher_epochs=1).model.state_dict()
+    """Two runs of a defence with random draws (shuffled batches, NAD's teacher) from one seed give the same
+    weights (two real runs: `_run` would hand back the first one's cached result)."""
+    a = _run_uncached("nad", badnets_model, clean_extra, digits, epochs=2, teacher_epochs=1).model.state_dict()
+    b = _run_uncached("nad", badnets_model, clean_extra, digits, epochs=2, teacher_epochs=1).model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    other = _run_uncached("nad", badnets_model, clean_extra, digits, epochs=2, teacher_epochs=1, seed=1)
+    assert not all(torch.equal(a[k], v) for k, v in other.model.state_dict().items())  # the seed matters
