@@ -254,7 +254,7 @@ def run_cell(name: str, defense: str, seed: int, paper_budget: bool) -> dict:
     src = entry.folder.resolve().relative_to(ROOT)
     registered_name, variant = registered(defense)
     params = {**({} if paper_budget else cpu_budget(registered_name, entry.recipe)), **variant}
-    out = RUNS / "defenses_cifar10" / name / f"{defense}_seed{seed}"
+    out = RUNS / "defenses_cifar10" / name / f"{defense}_seed{seed}{'_paper' if paper_budget else ''}"  # one per cell
     cmd = ["pbe", "defend", "--defense", registered_name, "--model", str(src), *data_args(entry),
            "--poison-from", str(src), "--seed", str(seed), "--out", str(out), "--no-progress", "--clean-fraction", "0.05",
            "--overwrite"]  # the folder caches this cell: a run of other settings is replaced
