@@ -72,7 +72,7 @@ def defence_bars(rows: list[dict], series, model=_default_model, means: list[dic
                  means_title: str = "means") -> object | None:
     """Per infected model (x, `model(row)`) and defence (`series(row)`, one bar colour each): ASR after the
     defence (the model's ASR before it as a black tick) and the ACC drop in points. With `means` (dicts of
-    ``name`` (a defence as the rows call it), ``group`` (its setting), ``asr`` and ``acc_drop``, shares in
+    ``name`` (a defence as `series` names it), ``group`` (its setting), ``asr`` and ``acc_drop``, shares in
     [0, 1]) a panel beside them places each defence's means: ASR after against ACC drop, one marker per group.
     Returns the figure."""
     rows = [r for r in rows if r.get("asr_before") is not None and r.get("acc_before") is not None]
@@ -107,9 +107,8 @@ def defence_bars(rows: list[dict], series, model=_default_model, means: list[dic
         ax = fig.add_subplot(grid[:, 1])
         markers = dict(zip(dict.fromkeys(m["group"] for m in means), "osD^v"))
         for m in means:
-            by_name = next((n for n in names if n == m["name"] or n.startswith(m["name"] + " (")), None)
             ax.scatter(100 * m["asr"], 100 * m["acc_drop"], s=60, marker=markers[m["group"]],
-                       color=colour.get(by_name, "grey"), edgecolor="k")
+                       color=colour.get(m["name"], "grey"), edgecolor="k")
             ax.annotate(m["name"], (100 * m["asr"], 100 * m["acc_drop"]), xytext=(4, 3),
                         textcoords="offset points", fontsize=8)
         for group, marker in markers.items():
