@@ -229,11 +229,33 @@ CONFIG = {"set": "dev", "only": None, "defenses": list(ORDER), "paper_budget": F
 DEFAULT_ESTIMATE = 3.0  # epoch-equivalents of a defence without a row yet
 
 
-def estimate(table, defense: str, zoo_set: str) -> float:
+EPOCH_KEYS = ("epochs", "iterations", "tuning_epochs", "finetuning_epochs", "unlearning_epochs")
+OVERLAY_EE = 1 / 3  # epoch-equivalents of one STRIP overlay of the training set: a forward pass (base.Cost)
+
+
+def published_estimate(cpu_cost: float, defense: str, recipe: str) -> float:
+    """A published budget's cost from its CPU budget's (`cpu_cost`, models trained with `recipe`): the
+    passes and iterations scale the cost by how many times the CPU budget's the class defaults are; STRIP's
+    overlays add a forward pass over the training set each, its retraining being the same at both budgets."""
+    name = registered(defense)[0]
+    cut, published = cpu_budget(name, recipe), defenses.create(name).params
+    if "n" in cut:
+        return cpu_cost + (published["n"] - cut["n"]) * OVERLAY_EE
+    epochs = [k for k in cut if k in EPOCH_KEYS]
+    return cpu_cost * sum(published[k] for k in epochs) / sum(cut[k] for k in epochs) if epochs else cpu_cost
+
+
+def estimate(table, defense: str, zoo_set: str, recipe: str | None = None) -> float:
     """A cell's cost: the median of the defence's rows on this zoo set, else of all its rows (the 4-epoch
-    models' filtering rows retrained for 4 epochs, the zoo's for 15), else DEFAULT_ESTIMATE."""
-    return median_cost(table, median_cost(table, DEFAULT_ESTIMATE, defense=defense), defense=defense,
-                       zoo_set=zoo_set)
+    models' filtering rows retrained for 4 epochs, the zoo's for 15), else DEFAULT_ESTIMATE. A published
+    budget's cell (`recipe` given: the model's) without such rows: ``published_estimate`` from the CPU
+    table's estimate."""
+    own = median_cost(table, median_cost(table, 0.0, defense=defense), defense=defense, zoo_set=zoo_set)
+    if own:
+        return own
+    if recipe is None:
+        return DEFAULT_ESTIMATE
+    return published_estimate(estimate(results_table(), defense, zoo_set), defense, recipe)
 
 
 def cells(cfg: dict) -> list[Cell]:
@@ -243,7 +265,7 @@ def cells(cfg: dict) -> list[Cell]:
     table = results_table(cfg)
     return [Cell("defenses_cifar10", f"{e.name} {defense} seed {seed}", zoo_cell(e, defense, setting_of(defense), seed),
                  {"name": e.name, "defense": defense, "seed": seed, "paper_budget": cfg["paper_budget"]},
-                 estimate(table, defense, cfg["set"]), zoo=e.name)
+                 estimate(table, defense, cfg["set"], e.recipe if cfg["paper_budget"] else None), zoo=e.name)
             for e in built_zoo_models(cfg["set"], "cifar10", cfg["only"]) for defense in cfg["defenses"]
             for seed in cfg["seeds"]]
 

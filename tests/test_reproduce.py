@@ -180,3 +180,20 @@ def test_defences_summary_keeps_models_apart_and_splits_settings():
     assert "| pbe | 81.00 | 20.00 |" in no_clean.split("## ")[0] and "pbe" not in clean_extra
     fig = dc.DefencesTable.figure(type("T", (), {"rows": rows})())
     assert len(fig.axes) == 3 and len(fig.axes[2].collections) == 2 + 2  # two means, two setting markers
+
+
+def test_published_budget_estimate_scales_with_what_the_cpu_budget_cuts():
+    """A published-budget cell's cost estimate: the CPU row's cost times the ratio of the class defaults'
+    passes / iterations to the CPU budget's; STRIP adds one forward pass per overlay; uncut defences as is."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    import defenses_cifar10 as dc
+    from pbe import defenses
+
+    for name in ("ft", "anp", "sau", "abl"):
+        cut, published = dc.cpu_budget(name, "cpu"), defenses.create(name).params
+        ratio = sum(published[k] for k in cut) / sum(cut.values())
+        assert ratio > 1 and abs(dc.published_estimate(2.0, name, "cpu") - 2.0 * ratio) < 1e-9
+    strip = defenses.create("strip").params["n"] - dc.cpu_budget("strip", "cpu")["n"]
+    assert strip > 0 and abs(dc.published_estimate(17.0, "strip", "cpu") - (17.0 + strip / 3)) < 1e-9
+    for name in ("ibau", "pbe", "ac"):
+        assert dc.published_estimate(3.0, name, "cpu") == 3.0
