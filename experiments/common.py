@@ -123,10 +123,12 @@ class TrainedTable(ResultsTable):
             "model of the same set and architecture.")
 
     def columns(self):
-        return [("zoo", lambda r: r.get("zoo") or "–"), ("recipe", lambda r: r["recipe"]), ("attack", lambda r: r["attack"]),
+        return [("zoo", lambda r: r.get("zoo") or "–"), ("recipe", lambda r: r["recipe"]),
+                ("attack", lambda r: r["attack"]),
                 ("rate", lambda r: pct(r["rate"], 0)), ("target", target_cell), ("seed", lambda r: str(r["seed"])),
                 ("ACC", lambda r: pct(r["acc"])), ("ASR", lambda r: pct(r["asr"])), ("RA", lambda r: pct(r["ra"])),
-                ("ACC drop", lambda r: fixed(None if r.get("acc_drop_vs_clean") is None else 100 * r["acc_drop_vs_clean"])),
+                ("ACC drop", lambda r: fixed(None if r.get("acc_drop_vs_clean") is None
+                                             else 100 * r["acc_drop_vs_clean"])),
                 ("epochs", lambda r: fixed(r.get("epoch_equivalents"), 0)), ("wall s", lambda r: fixed(r["wall_s"], 0))]
 
 

@@ -282,8 +282,8 @@ def run_cell(name: str, defense: str, seed: int, paper_budget: bool) -> dict:
     params = {**({} if paper_budget else cpu_budget(registered_name, entry.recipe)), **variant}
     out = RUNS / "defenses_cifar10" / name / f"{defense}_seed{seed}{'_paper' if paper_budget else ''}"  # one per cell
     cmd = ["pbe", "defend", "--defense", registered_name, "--model", str(src), *data_args(entry),
-           "--poison-from", str(src), "--seed", str(seed), "--out", str(out), "--no-progress", "--clean-fraction", "0.05",
-           "--overwrite"]  # the folder caches this cell: a run of other settings is replaced
+           "--poison-from", str(src), "--seed", str(seed), "--out", str(out), "--no-progress",
+           "--clean-fraction", "0.05", "--overwrite"]  # the folder caches this cell: other settings' run is replaced
     for k, v in params.items():
         cmd += ["--param", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
     m = run_command(cmd, out)

@@ -25,7 +25,8 @@ CLEAN_FRACTION = 0.05
 
 def results_table(cfg: dict | None = None) -> DefenceTable:
     return DefenceTable(RESULTS / "digits", "Attacks and defences on the built-in 8x8 digits",
-                        "python experiments/digits.py (or python experiments/reproduce.py experiments/configs/digits.yaml)")
+                        "python experiments/digits.py (or python experiments/reproduce.py "
+                        "experiments/configs/digits.yaml)")
 
 
 def _key(attack: str, defense: str, seed: int, rate: float, target: int) -> dict:

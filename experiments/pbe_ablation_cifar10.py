@@ -35,7 +35,8 @@ T2 = replace(T_COS, balanced=True, universal_reach=0.8)
 T2_PGDT = replace(T2, adv_share=1 / 3, pgd=PGD_T, pgd_targeted=True)
 T3 = replace(T2, early_stop=False)
 UNI_WARP = UniversalConfig(kind="warp", eps=0.5, size=4)  # a WaNet-shaped field: 4x4 control grid, 0.5 px
-UNI_MASK = UniversalConfig(kind="mask", eps=0.01, epochs=4, batch_size=16)  # Neural Cleanse's trigger, 1 % of the pixels
+# Neural Cleanse's trigger, 1 % of the pixels
+UNI_MASK = UniversalConfig(kind="mask", eps=0.01, epochs=4, batch_size=16)
 TARGETED_V6 = replace(SCHEDULES["targeted"], verify_named=False)  # before the check of a named target's cluster
 TARGETED_V5 = replace(TARGETED_V6, whole_label="off")  # before the whole-label test joined it
 TARGETED_V4 = replace(TARGETED_V5, relabel_all_isolated=False)  # before every isolated sample was relabelled
@@ -125,8 +126,8 @@ VARIANTS = {
                       "perturbations and only the cluster is refused and relabelled",
                       replace(TARGETED_V4, isolate_named=True)),
     "relabel_all_isolated": ("the fifth default (end of 2026-12-04, until the whole-label test): targeted_isolate + "
-                             "every isolated sample (not only those round 1 moved with softmax >= 0.8) joins round 2 with "
-                             "the purified model's most likely label other than its own", TARGETED_V5),
+                             "every isolated sample (not only those round 1 moved with softmax >= 0.8) joins "
+                             "round 2 with the purified model's most likely label other than its own", TARGETED_V5),
     "whole_label_trigger": ("relabel_all_isolated + where no cluster is confirmed and no label named, the isolation "
                             "tests every label as a whole (clean-label poison: all of the target's samples carry the "
                             "trigger); a label whose all-sample trigger estimate moves >= 50 % of held-out images, "
@@ -182,7 +183,8 @@ class AblationTable(ResultsTable):
         return [("zoo", lambda r: r["zoo"]), ("variant", lambda r: r["variant"]),
                 ("ACC before", lambda r: pct(r["acc_before"])), ("ASR before", lambda r: pct(r["asr_before"])),
                 ("ACC", lambda r: pct(r["acc"])), ("ASR", lambda r: pct(r["asr"])),
-                ("ACC drop", lambda r: fixed(100 * (r["acc_before"] - r["acc"]))), ("DER", lambda r: pct(r.get("der"), 1)),
+                ("ACC drop", lambda r: fixed(100 * (r["acc_before"] - r["acc"]))),
+                ("DER", lambda r: pct(r.get("der"), 1)),
                 ("ranking AUC", lambda r: fixed((r.get("detection") or {}).get("auc"), 3)),
                 ("epoch-eq.", lambda r: fixed(r["epoch_equivalents"])), ("wall s", lambda r: fixed(r["wall_s"], 0))]
 
@@ -246,8 +248,9 @@ def cells(cfg: dict) -> list[Cell]:
     out = []
     # clean models too: what the defaults cost a model that has no backdoor (ACC only)
     pairs = None if cfg["pairs"] is None else {tuple(p.split()) for p in cfg["pairs"]}
-    if pairs is not None and {v for _, v in pairs} - set(VARIANTS):
-        raise PBEError(f"pbe_ablation_cifar10: unknown variants in pairs: {sorted({v for _, v in pairs} - set(VARIANTS))}")
+    unknown = set() if pairs is None else {v for _, v in pairs} - set(VARIANTS)
+    if unknown:
+        raise PBEError(f"pbe_ablation_cifar10: unknown variants in pairs: {sorted(unknown)}")
     for entry in built_zoo_models("dev", cfg["dataset"], cfg["only"], infected=False):
         for variant in cfg["variants"] if pairs is None else [v for n, v in sorted(pairs) if n == entry.name]:
             if variant.endswith(ORACLE) and (not entry.infected or entry.all_to_all or entry.target is None):

@@ -44,7 +44,8 @@ class PGDConfig:
         if not (0 <= self.eps <= (1 if self.norm == "linf" else MAX_L2)) or not isinstance(self.steps, int) \
                 or self.steps < 0 or (self.step is not None and not 0 <= self.step <= max(1.0, self.eps)):
             raise PBEError(f"PGD needs eps in [0, 1] (L-inf, pixel units; L2: [0, {MAX_L2:g}]), an integer number of "
-                           f"steps >= 0 and a step in [0, max(1, eps)]; got eps={self.eps}, steps={self.steps!r}, step={self.step}")
+                           f"steps >= 0 and a step in [0, max(1, eps)]; got eps={self.eps}, steps={self.steps!r}, "
+                           f"step={self.step}")
 
     @property
     def step_size(self) -> float:

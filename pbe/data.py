@@ -1,8 +1,9 @@
 """Datasets as one uint8 tensor in memory, a loader registry, and batched augmentation.
 
 `load(name, root, split)` returns an `ImageDataset`: images uint8 (N, C, H, W), labels int64 (N,).
-Nothing is downloaded unless the caller opts in (`download` argument, `--download` flag). Decoded image trees are cached as `.npy` under
-`$PBE_CACHE` (default `~/.cache/pbe`), keyed by a hash of the source files, so a second load is fast.
+Nothing is downloaded unless the caller opts in (`download` argument, `--download` flag). Decoded image
+trees are cached as `.npy` under `$PBE_CACHE` (default `~/.cache/pbe`), keyed by a hash of the source
+files, so a second load is fast.
 """
 from __future__ import annotations
 

@@ -68,7 +68,8 @@ def read_manifest(folder: str | os.PathLike) -> dict | None:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise PBEError(f"{path} is not valid JSON ({err}); the run in {folder} is damaged: rerun its command") from err
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+    if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT
+            or not isinstance(manifest.get("files"), dict)):
         raise PBEError(f"{path} is not a pbe run manifest; rerun the command that made {folder}")
     return manifest
 

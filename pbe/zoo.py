@@ -269,7 +269,8 @@ def render() -> None:
     lines = ["# Model zoo", "",
              "Regenerate: `pbe zoo build --all` (trains only what is missing; rows in `zoo.json`, one folder per "
              "model). Load one with `pbe.zoo.load(\"cifar10/badnets\")`. Tune defences on `dev` models only.", "",
-             "| zoo | set | model | attack | params | rate | target | ACC % | ASR % | RA % | wall s | hardware | sha256 |",
+             "| zoo | set | model | attack | params | rate | target | ACC % | ASR % | RA % | wall s | hardware "
+             "| sha256 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         target = "all-to-all" if r["all_to_all"] else ("–" if r["target"] is None else r["target"])

@@ -182,7 +182,8 @@ def test_bad_in_memory_dataset(images, labels, classes, match):
 
 # ---------------------------------------------------------------- numbers
 RECIPE_CASES = [
-    ({"epochs": 0}, "epochs"), ({"epochs": -1}, "epochs"), ({"epochs": 1.5}, "epochs"), ({"batch_size": 0}, "batch_size"),
+    ({"epochs": 0}, "epochs"), ({"epochs": -1}, "epochs"), ({"epochs": 1.5}, "epochs"),
+    ({"batch_size": 0}, "batch_size"),
     ({"width": 0}, "width"), ({"width": 10 ** 9}, "width"), ({"lr": 0.0}, "lr"), ({"lr": -0.1}, "lr"),
     ({"lr": float("inf")}, "lr"), ({"lr": float("nan")}, "lr"), ({"momentum": 1.0}, "momentum"),
     ({"warmup": 1.0}, "warmup"), ({"label_smoothing": -0.1}, "label_smoothing"), ({"schedule": "step"}, "schedule"),
@@ -231,7 +232,8 @@ def test_bad_pgd_budget(kwargs):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"kind": "l1"}, "kind"), ({"eps": 0.0}, "eps > 0"), ({"epochs": 0}, "epochs"), ({"kind": "mask", "eps": 2.0}, "mask"),
+    ({"kind": "l1"}, "kind"), ({"eps": 0.0}, "eps > 0"), ({"epochs": 0}, "epochs"),
+    ({"kind": "mask", "eps": 2.0}, "mask"),
 ], ids=["kind", "eps-0", "epochs-0", "mask-over-1"])
 def test_bad_universal_budget(kwargs, match):
     from pbe.adversarial import UniversalConfig
@@ -508,7 +510,8 @@ CLI_CASES = [
     (["erase", "--model", "{model}", "--train-data", "digits", "--lr", "0", "--out", "{tmp}/e"], "lr"),
     (["defend", "--defense", "ft", "--model", "{model}", "--param", "epochs=0", "--out", "{tmp}/d"], "epochs"),
     (["defend", "--defense", "ft", "--model", "{model}", "--param", "nonsense", "--out", "{tmp}/d"], "KEY=VALUE"),
-    (["defend", "--defense", "ft", "--model", "{model}", "--clean-fraction", "0", "--out", "{tmp}/d"], "clean-fraction"),
+    (["defend", "--defense", "ft", "--model", "{model}", "--clean-fraction", "0", "--out", "{tmp}/d"],
+     "clean-fraction"),
     (["defend", "--defense", "ft", "--model", "{model}", "--out", "{tmp}/file"], "is a file"),
     (["attack", "--attack", "badnets", "--rate", "2", "--epochs", "1", "--out", "{tmp}/a"], "rate"),
     (["attack", "--attack", "badnets", "--target", "12", "--epochs", "1", "--out", "{tmp}/a"], "not a label"),

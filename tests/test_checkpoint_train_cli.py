@@ -79,7 +79,8 @@ def run_cli(*args):
 def test_cli_train_and_evaluate(tmp_path):
     r = run_cli("train", "--dataset", "digits", "--epochs", "2", "--out", str(tmp_path), "--no-progress")
     assert r.returncode == 0, r.stderr
-    assert {"model.safetensors", "model.json", "metrics.json", "train_log.jsonl"} <= {p.name for p in tmp_path.iterdir()}
+    written = {p.name for p in tmp_path.iterdir()}
+    assert {"model.safetensors", "model.json", "metrics.json", "train_log.jsonl"} <= written
     r = run_cli("evaluate", "--model", str(tmp_path))
     assert r.returncode == 0 and json.loads(r.stdout)["acc"] > 0.3
 

@@ -120,7 +120,8 @@ def test_zoo_builds_loads_checks_and_reproduces(tiny_zoo, tmp_path):
     r = subprocess.run(pbe_cmd("zoo", "build", "--all"), capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     rows = json.loads((tiny_zoo / "zoo.json").read_text())
-    assert [(row["zoo"], row["zoo_set"]) for row in rows] == [("digits/badnets", "dev"), ("digits/clean", "generalisation")]
+    assert [(row["zoo"], row["zoo_set"]) for row in rows] == [("digits/badnets", "dev"),
+                                                              ("digits/clean", "generalisation")]
     assert rows[0]["asr"] > 0.5 and rows[1]["asr"] is None and "digits/badnets" in (tiny_zoo / "README.md").read_text()
     z = zoo.load("digits/badnets")
     assert z.zoo_keys == {"zoo": "digits/badnets", "zoo_set": "dev"}

@@ -76,8 +76,8 @@ def commands(attacked):
         "train": lambda seed: ["train", "--recipe", "tiny", "--epochs", "1", "--seed", seed, *COMMON],
         "attack": lambda seed: ["attack", "--attack", "blend", "--recipe", "tiny", "--epochs", "1", "--seed", seed,
                                 *COMMON],
-        "defend": lambda seed: ["defend", "--defense", "ft", "--param", "epochs=1", *model, "--poison-from", str(attacked),
-                                "--seed", seed, *COMMON],
+        "defend": lambda seed: ["defend", "--defense", "ft", "--param", "epochs=1", *model,
+                                "--poison-from", str(attacked), "--seed", seed, *COMMON],
         "erase": lambda seed: ["erase", "--schedule", "fast", *model, "--poison-from", str(attacked),
                                "--seed", seed, *COMMON],
     }
@@ -114,8 +114,8 @@ def test_kill_after_every_write_leaves_the_old_or_the_new_unit(command, attacked
 
 def test_a_changed_file_is_refused_and_a_second_writer_waits(attacked, tmp_path):
     out = tmp_path / "copy"
-    r = pbe("defend", "--defense", "ft", "--param", "epochs=1", "--model", str(attacked), "--poison-from", str(attacked),
-            "--out", str(out), *COMMON)
+    r = pbe("defend", "--defense", "ft", "--param", "epochs=1", "--model", str(attacked),
+            "--poison-from", str(attacked), "--out", str(out), *COMMON)
     assert r.returncode == 0, r.stderr
     from pbe import checkpoint
     checkpoint.load(out)
@@ -124,6 +124,6 @@ def test_a_changed_file_is_refused_and_a_second_writer_waits(attacked, tmp_path)
     with pytest.raises(PBEError, match="mixes two runs"):
         checkpoint.load(out)
     with rundir.locked(out):
-        r = pbe("defend", "--defense", "ft", "--param", "epochs=1", "--model", str(attacked), "--poison-from", str(attacked),
-                "--out", str(out), "--overwrite", *COMMON)
+        r = pbe("defend", "--defense", "ft", "--param", "epochs=1", "--model", str(attacked),
+                "--poison-from", str(attacked), "--out", str(out), "--overwrite", *COMMON)
     assert r.returncode == 2 and "another pbe command is writing" in r.stderr and "Traceback" not in r.stderr

@@ -162,7 +162,8 @@ def check_fits(model_meta: dict, data, where: str) -> None:
     elif model_meta.get("classes") not in (None, list(data.classes)):
         problems.append(f"classes {list(data.classes)[:5]}..., the model's {model_meta['classes'][:5]}...")
     if model_meta.get("image_shape") not in (None, list(data.image_shape)):
-        problems.append(f"images of shape {list(data.image_shape)}, the model was trained on {model_meta['image_shape']}")
+        problems.append(f"images of shape {list(data.image_shape)}, the model was trained on "
+                        f"{model_meta['image_shape']}")
     if problems:
         raise PBEError(f"{where} does not fit the model: {'; '.join(problems)}; pass the --dataset the model was "
                        "trained on")

@@ -43,7 +43,8 @@ class AFT(Defense):
                            f"{adv_epochs}")
         if not (isinstance(lr, (int, float)) and lr > 0):
             raise PBEError(f"aft: lr must be a positive number, got {lr!r}")
-        if not (isinstance(batch_size, int) and batch_size >= 1 and isinstance(crop_padding, int) and crop_padding >= 0):
+        if not (isinstance(batch_size, int) and batch_size >= 1
+                and isinstance(crop_padding, int) and crop_padding >= 0):
             raise PBEError(f"aft: batch_size must be an int >= 1 and crop_padding an int >= 0, got {batch_size}, "
                            f"{crop_padding}")
         super().__init__(epochs=epochs, adv_epochs=adv_epochs, lr=lr, pgd=pgd, batch_size=batch_size,

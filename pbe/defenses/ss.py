@@ -33,7 +33,8 @@ class SpectralSignatures(FilteringDefense):
 
     name = "ss"
 
-    def __init__(self, percentile: float = 85.0, retrain: str | None = RETRAIN_RECIPE, retrain_epochs: int | None = None):
+    def __init__(self, percentile: float = 85.0, retrain: str | None = RETRAIN_RECIPE,
+                 retrain_epochs: int | None = None):
         super().__init__(percentile=percentile, retrain=retrain, retrain_epochs=retrain_epochs)
 
     def _check(self):

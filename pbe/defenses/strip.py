@@ -56,7 +56,8 @@ class STRIP(FilteringDefense):
 
     name = "strip"
 
-    def __init__(self, n: int = 100, frr: float = 0.01, retrain: str | None = RETRAIN_RECIPE, retrain_epochs: int | None = None):
+    def __init__(self, n: int = 100, frr: float = 0.01, retrain: str | None = RETRAIN_RECIPE,
+                 retrain_epochs: int | None = None):
         super().__init__(n=n, frr=frr, retrain=retrain, retrain_epochs=retrain_epochs)
 
     def _check(self):
