@@ -104,10 +104,14 @@ def trained_row(cell: dict, m: dict, out: Path) -> dict:
             "train_log": [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []}
 
 
+REPORT_DIAGNOSTICS = ("isolated_loss", "unlearning")  # report keys a row keeps: why a defence failed (ABL)
+
+
 def defence_row(cell: dict, command: str, report: dict, entry: zoo.Entry | None, **extra) -> dict:
     """A RESULTS.md row from a defence report (``report.json`` of ``pbe erase`` / ``pbe defend``); on a
-    zoo `entry`, with the sha256 of the weights it started from."""
+    zoo `entry`, with the sha256 of the weights it started from, and the ``REPORT_DIAGNOSTICS`` it has."""
     b, a = report["before"], report["after"]
+    extra = {**{k: report[k] for k in REPORT_DIAGNOSTICS if k in report}, **extra}
     return {**cell, "acc": a["acc"], "asr": a["asr"], "ra": a["ra"], "acc_before": b["acc"],
             "asr_before": b["asr"], "ra_before": b["ra"], "der": report.get("der"),
             "detection": report.get("detection"), "wall_s": report["wall_s"],

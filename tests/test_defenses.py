@@ -184,6 +184,18 @@ def test_abl_isolates_the_lowest_loss_samples_and_the_backdoor_is_learned_first(
         defenses.create("abl", ascent_loss="sgd")
 
 
+def test_abl_reports_its_unlearning(badnets_model, clean_extra, digits):
+    """ABL's report traces the unlearning (ACC / ASR before each epoch and after the last, the last being
+    the returned model's) and the isolated samples' loss on BatchNorm's running and per-batch statistics."""
+    rep = _run("abl", badnets_model, clean_extra, digits).report
+    trace = rep["unlearning"]
+    assert len(trace) == TINY["abl"]["unlearning_epochs"] + 1 and trace[-1] == rep["after"]
+    assert trace[0] != trace[-1]  # the ascent changed the model
+    losses = rep["isolated_loss"]
+    assert losses["running_stats"] >= 0 and losses["batch_stats"] >= 0
+    assert losses["running_stats"] != losses["batch_stats"]  # the digits net normalises with BatchNorm
+
+
 def test_anp_prunes_the_backdoor_neurons(badnets_model, clean_extra, digits):
     rep = _run("anp", badnets_model, clean_extra, digits).report
     assert 0 < rep["pruned_count"] < rep["neurons"] / 4
