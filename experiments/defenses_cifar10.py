@@ -139,6 +139,33 @@ def backdoorbench_means(defense: str, models: list[str]) -> str:
     return f"{mean(r['acc'] for r in rows):.1f} / {mean(r['asr'] for r in rows):.1f} ({len(rows)})"
 
 
+def head_to_head_markdown(rows: list[dict], reference: str = "pbe") -> str:
+    """`reference` against each other defence on the models both have run (the common-model means below
+    wait for the slowest defence; this uses every row): both means and on how many models `reference`
+    has the lower ASR after and the higher ACC after."""
+    ref = {model_of(r): r for r in rows if r["defense"] == reference}
+    if not ref:
+        return ""
+    lines = [f"## {reference.upper()} against each defence on the models both have run", "",
+             f"ACC / ASR after in %, the defence's mean first, {reference.upper()}'s over the same models second.", "",
+             f"| defense | setting | models | ACC % | ASR % | epoch-eq. | {reference.upper()} lower ASR | "
+             f"{reference.upper()} higher ACC |", "|---|---|---|---|---|---|---|---|"]
+    for d in ORDER:
+        other = {model_of(r): r for r in rows if r["defense"] == d}
+        shared = [m for m in models_in(rows) if m in other and m in ref]
+        if d == reference or not shared:
+            continue
+        mine, theirs = means(rows, reference, shared), means(rows, d, shared)
+        pair = {k: f"{fmt.format(scale * theirs[k])} / {fmt.format(scale * mine[k])}"
+                for k, fmt, scale in (("acc", "{:.2f}", 100), ("asr", "{:.2f}", 100),
+                                      ("epoch_equivalents", "{:.2f}", 1))}
+        lower = sum(ref[m]["asr"] < other[m]["asr"] for m in shared)
+        higher = sum(ref[m]["acc"] > other[m]["acc"] for m in shared)
+        lines.append(f"| {d} | {setting_of(d)} | {len(shared)} | {pair['acc']} | {pair['asr']} | "
+                     f"{pair['epoch_equivalents']} | {lower} of {len(shared)} | {higher} of {len(shared)} |")
+    return "\n".join(lines)
+
+
 def summary_markdown(rows: list[dict]) -> str:
     """Means per defence, split by setting, over the models that every defence in the table has run, with
     BackdoorBench's published means over the same attacks beside them; the matrix above shows the rest."""
@@ -146,7 +173,7 @@ def summary_markdown(rows: list[dict]) -> str:
     fmt = {"acc": "{:.2f}", "asr": "{:.2f}", "ra": "{:.2f}", "der": "{:.3f}", "precision": "{:.1f}",
            "recall": "{:.1f}", "wall_s": "{:.0f}", "epoch_equivalents": "{:.2f}"}  # the header's order
     scale = {"acc": 100, "asr": 100, "ra": 100, "precision": 100, "recall": 100}
-    lines = [matrix_markdown(rows), "",
+    lines = [matrix_markdown(rows), "", *filter(None, [head_to_head_markdown(rows)]), "",
              f"## Mean over the models every defence has run ({', '.join(common) or 'none yet'})", "",
              "Split by setting: clean-extra defences get 5 % clean training data, no-clean ones only the "
              "(poisoned) training set. BackdoorBench's column is its own published mean over the same attacks "

@@ -178,6 +178,9 @@ def test_defences_summary_keeps_models_apart_and_splits_settings():
     bb = [r for r in dc.backdoorbench()["rows"] if r["attack"] == "sig" and r["defense"] == "ft"][0]
     assert "| ft | 83.50 | 40.00 |" in clean_extra and f"{bb['acc']:.1f} / {bb['asr']:.1f} (1) |" in clean_extra
     assert "| pbe | 81.00 | 20.00 |" in no_clean.split("## ")[0] and "pbe" not in clean_extra
+    head = dc.head_to_head_markdown(rows)  # FT against PBE on both SIG models; badnets has no PBE row
+    assert "| ft | clean-extra | 2 | 83.50 / 81.00 | 40.00 / 20.00 | 1.00 / 1.00 | 2 of 2 | 0 of 2 |" in head
+    assert "| pbe |" not in head and dc.head_to_head_markdown(rows[:2] + rows[4:]) == ""
     fig = dc.DefencesTable.figure(type("T", (), {"rows": rows})())
     assert len(fig.axes) == 3 and len(fig.axes[2].collections) == 2 + 2  # two means, two setting markers
 
