@@ -156,13 +156,12 @@ def head_to_head_markdown(rows: list[dict], reference: str = "pbe") -> str:
         if d == reference or not shared:
             continue
         mine, theirs = means(rows, reference, shared), means(rows, d, shared)
-        pair = {k: f"{fmt.format(scale * theirs[k])} / {fmt.format(scale * mine[k])}"
-                for k, fmt, scale in (("acc", "{:.2f}", 100), ("asr", "{:.2f}", 100),
-                                      ("epoch_equivalents", "{:.2f}", 1))}
+        pairs = [f"{scale * theirs[k]:.2f} / {scale * mine[k]:.2f}"
+                 for k, scale in (("acc", 100), ("asr", 100), ("epoch_equivalents", 1))]
         lower = sum(ref[m]["asr"] < other[m]["asr"] for m in shared)
         higher = sum(ref[m]["acc"] > other[m]["acc"] for m in shared)
-        lines.append(f"| {d} | {setting_of(d)} | {len(shared)} | {pair['acc']} | {pair['asr']} | "
-                     f"{pair['epoch_equivalents']} | {lower} of {len(shared)} | {higher} of {len(shared)} |")
+        lines.append(f"| {d} | {setting_of(d)} | {len(shared)} | " + " | ".join(pairs)
+                     + f" | {lower} of {len(shared)} | {higher} of {len(shared)} |")
     return "\n".join(lines)
 
 
@@ -173,7 +172,8 @@ def summary_markdown(rows: list[dict]) -> str:
     fmt = {"acc": "{:.2f}", "asr": "{:.2f}", "ra": "{:.2f}", "der": "{:.3f}", "precision": "{:.1f}",
            "recall": "{:.1f}", "wall_s": "{:.0f}", "epoch_equivalents": "{:.2f}"}  # the header's order
     scale = {"acc": 100, "asr": 100, "ra": 100, "precision": 100, "recall": 100}
-    lines = [matrix_markdown(rows), "", *filter(None, [head_to_head_markdown(rows)]), "",
+    head = head_to_head_markdown(rows)
+    lines = [matrix_markdown(rows), "", *([head, ""] if head else []),
              f"## Mean over the models every defence has run ({', '.join(common) or 'none yet'})", "",
              "Split by setting: clean-extra defences get 5 % clean training data, no-clean ones only the "
              "(poisoned) training set. BackdoorBench's column is its own published mean over the same attacks "
