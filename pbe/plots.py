@@ -98,7 +98,8 @@ def defence_bars(rows: list[dict], series, model=_default_model, means: list[dic
             axes[0].plot([x - width / 2, x + width / 2], [100 * r["asr_before"]] * 2, "k-", lw=1)
             axes[1].bar(x, 100 * (r["acc_before"] - r["acc"]), width, color=colour[name])
     handles = {h.get_label(): h for h in axes[0].containers}  # one bar per (model, defence): one handle each
-    axes[0].legend(list(handles.values()), list(handles), fontsize=8, ncol=min(4, len(names)))
+    # above the panels, one row: inside the axes the legend would hide bars
+    fig.legend(list(handles.values()), list(handles), fontsize=9, ncol=len(names), loc="upper center")
     axes[0].set(ylabel="ASR after (%)", ylim=(0, 105), title="black ticks: ASR before")
     axes[1].set(ylabel="ACC drop (points)")
     axes[1].axhline(0, color="grey", lw=0.5)
@@ -117,7 +118,7 @@ def defence_bars(rows: list[dict], series, model=_default_model, means: list[dic
         ax.set(xlabel="mean ASR after (%)", ylabel="mean ACC drop (points)", xlim=(-3, 105),
                title=f"{means_title}: lower left is better")
         ax.axhline(0, color="grey", lw=0.5)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
     return fig
 
 
