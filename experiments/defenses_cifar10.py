@@ -176,20 +176,24 @@ def summary_markdown(rows: list[dict]) -> str:
     lines = [matrix_markdown(rows), "", *([head, ""] if head else []),
              f"## Mean over the models every defence has run ({', '.join(common) or 'none yet'})", "",
              "Split by setting: clean-extra defences get 5 % clean training data, no-clean ones only the "
-             "(poisoned) training set. BackdoorBench's column is its own published mean over the same attacks "
+             "(poisoned) training set. Each setting's defences are listed by their rank on mean DER among all the "
+             "defences of both settings. BackdoorBench's column is its own published mean over the same attacks "
              "(its count in brackets; PreAct-ResNet-18 at width 64, 100-epoch budgets): a reference, not a "
              "measurement of this toolkit.", ""]
+    mean_of = {d: means(rows, d, common) for d in present}
+    der = {d: round(m["der"], 3) if m["der"] is not None else -1.0 for d, m in mean_of.items()}  # as printed
+    rank = {d: 1 + sum(v > der[d] for v in der.values()) for d in present}  # ties share a rank
     for setting in ("clean-extra", "no-clean"):
-        ds = [d for d in present if setting_of(d) == setting]
+        ds = sorted((d for d in present if setting_of(d) == setting), key=lambda d: rank[d])
         if not ds or not common:
             continue
         lines += [f"### {setting}", "",
                   "| defense | ACC % | ASR % | RA % | DER | det. precision % | det. recall % | wall s | epoch-eq. | "
-                  "BackdoorBench ACC / ASR % |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"DER rank of {len(present)} | BackdoorBench ACC / ASR % |", "|---" * 11 + "|"]
         for d in ds:
-            m = means(rows, d, common)
+            m = mean_of[d]
             cells = ["–" if m[k] is None else fmt[k].format(scale.get(k, 1) * m[k]) for k in fmt]
-            lines.append(f"| {d} | " + " | ".join(cells) + f" | {backdoorbench_means(d, common)} |")
+            lines.append(f"| {d} | " + " | ".join(cells) + f" | {rank[d]} | {backdoorbench_means(d, common)} |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n\n" + reference_markdown()
 

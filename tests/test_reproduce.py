@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from pbe import metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
 
@@ -164,8 +166,8 @@ def test_defences_summary_keeps_models_apart_and_splits_settings():
     def row(zoo, defense, acc, asr):
         return {"zoo": zoo, "attack": "sig" if "sig" in zoo else "badnets", "all_to_all": False, "defense": defense,
                 "setting": dc.setting_of(defense), "acc_before": 0.85, "asr_before": 1.0, "acc": acc, "asr": asr,
-                "ra": 0.5, "der": 0.9, "wall_s": 10.0, "epoch_equivalents": 1.0, "detection": None, "rate": 0.1,
-                "recipe": "cpu"}
+                "ra": 0.5, "der": metrics.der(0.85, 1.0, acc, asr), "wall_s": 10.0, "epoch_equivalents": 1.0,
+                "detection": None, "rate": 0.1, "recipe": "cpu"}
     rows = [row("cifar10/sig", "ft", 0.84, 0.2), row("cifar10/sig_poison_label", "ft", 0.83, 0.6),
             row("cifar10/sig", "pbe", 0.80, 0.1), row("cifar10/sig_poison_label", "pbe", 0.82, 0.3),
             row("cifar10/badnets", "ft", 0.84, 1.0)]  # badnets has no PBE row: not in the means
@@ -178,6 +180,9 @@ def test_defences_summary_keeps_models_apart_and_splits_settings():
     bb = [r for r in dc.backdoorbench()["rows"] if r["attack"] == "sig" and r["defense"] == "ft"][0]
     assert "| ft | 83.50 | 40.00 |" in clean_extra and f"{bb['acc']:.1f} / {bb['asr']:.1f} (1) |" in clean_extra
     assert "| pbe | 81.00 | 20.00 |" in no_clean.split("## ")[0] and "pbe" not in clean_extra
+    # ranked on mean DER across both settings: PBE (0.880) first, FT (0.792) second
+    assert "| 0.880 |" in no_clean and "| 0.880 | – | – | 10 | 1.00 | 1 | – |" in no_clean
+    assert "| 0.792 | – | – | 10 | 1.00 | 2 |" in clean_extra
     head = dc.head_to_head_markdown(rows)  # FT against PBE on both SIG models; badnets has no PBE row
     assert "| ft | clean-extra | 2 | 83.50 / 81.00 | 40.00 / 20.00 | 1.00 / 1.00 | 2 of 2 | 0 of 2 |" in head
     assert "| pbe |" not in head and dc.head_to_head_markdown(rows[:2] + rows[4:]) == ""
