@@ -14,11 +14,13 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 def one_thread():
     """Train the session's tiny models on one thread: torch's float order, hence the model, then no longer
     depends on the machine's thread count (a digits Blend model's scan z went from 3.2 to 6.2 between 1
-    and 2 threads), so a check that passes here passes in CI on the same kind of CPU."""
+    and 2 threads), so a check that passes here passes in CI on the same kind of CPU. OMP_NUM_THREADS is set
+    too: torch's CPU kernels read it as well, and set_num_threads alone left that model's scan z at 2.84 with
+    the variable unset (as in CI), 4.66 with it 1."""
     before, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"  # read by torch's CPU kernels as well: set_num_threads alone left the
-    try:                                 # Blend model's scan z at 2.84 with the variable unset, 4.66 with it 1
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
         yield
     finally:
         torch.set_num_threads(before)

@@ -181,7 +181,7 @@ def test_defences_summary_keeps_models_apart_and_splits_settings():
     assert "| ft | 83.50 | 40.00 |" in clean_extra and f"{bb['acc']:.1f} / {bb['asr']:.1f} (1) |" in clean_extra
     assert "| pbe | 81.00 | 20.00 |" in no_clean.split("## ")[0] and "pbe" not in clean_extra
     # ranked on mean DER across both settings: PBE (0.880) first, FT (0.792) second
-    assert "| 0.880 |" in no_clean and "| 0.880 | – | – | 10 | 1.00 | 1 | – |" in no_clean
+    assert "| 0.880 | – | – | 10 | 1.00 | 1 | – |" in no_clean
     assert "| 0.792 | – | – | 10 | 1.00 | 2 |" in clean_extra
     head = dc.head_to_head_markdown(rows)  # FT against PBE on both SIG models; badnets has no PBE row
     assert "| ft | clean-extra | 2 | 83.50 / 81.00 | 40.00 / 20.00 | 1.00 / 1.00 | 2 of 2 | 0 of 2 |" in head
