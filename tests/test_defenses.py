@@ -185,11 +185,13 @@ def test_abl_isolates_the_lowest_loss_samples_and_the_backdoor_is_learned_first(
 
 
 def test_abl_reports_its_unlearning(badnets_model, clean_extra, digits):
-    """ABL's report traces the unlearning (ACC / ASR before each epoch and after the last, the last being
-    the returned model's) and the isolated samples' loss on BatchNorm's running and per-batch statistics."""
+    """ABL's report traces the unlearning (ACC / ASR after 0, 1, 2, 4, ... epochs and after the last, the
+    last being the returned model's) and the isolated samples' loss on BatchNorm's running and per-batch
+    statistics."""
     rep = _run("abl", badnets_model, clean_extra, digits).report
     trace = rep["unlearning"]
-    assert len(trace) == TINY["abl"]["unlearning_epochs"] + 1 and trace[-1] == rep["after"]
+    assert TINY["abl"]["unlearning_epochs"] == 5 and [t.pop("epochs") for t in trace] == [0, 1, 2, 4, 5]
+    assert trace[-1] == rep["after"]
     assert trace[0] != trace[-1]  # the ascent changed the model
     losses = rep["isolated_loss"]
     assert losses["running_stats"] >= 0 and losses["batch_stats"] >= 0

@@ -205,3 +205,22 @@ def test_published_budget_estimate_scales_with_what_the_cpu_budget_cuts():
     assert strip > 0 and abs(dc.published_estimate(17.0, "strip", "cpu") - (17.0 + strip / 3)) < 1e-9
     for name in ("ibau", "pbe", "ac"):
         assert dc.published_estimate(3.0, name, "cpu") == 3.0
+
+
+def test_defence_rows_made_with_another_budget_are_redone():
+    """A CPU-budget row whose parameters differ from what its cell would run now (ABL's unlearning was cut
+    to 3 epochs before it kept the published 20) is stale, so the driver reruns it; a row at the current
+    budget, a variant's row with its fixed parameter, and a published-budget row are not."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    import defenses_cifar10 as dc
+    from pbe import defenses
+
+    def row(defense, budget="cpu", **params):
+        name, variant = dc.registered(defense)
+        now = {**defenses.create(name).params, **dc.cpu_budget(name, "cpu"), **variant, **params}
+        return {"defense": defense, "recipe": "cpu", "budget": budget, "params": json.loads(json.dumps(now))}
+
+    assert dc.cpu_budget("abl", "cpu") == {"tuning_epochs": 3, "finetuning_epochs": 9}
+    assert not dc.stale(row("abl")) and dc.stale(row("abl", unlearning_epochs=3))
+    assert not dc.stale(row("nad")) and dc.stale(row("ft", epochs=5)) and not dc.stale(row("pbe_lr1e-3"))
+    assert dc.stale(row("pbe_lr1e-3", lr=0.01)) and not dc.stale(row("abl", "paper", unlearning_epochs=3))
