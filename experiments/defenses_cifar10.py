@@ -53,8 +53,8 @@ def cpu_budget(defense: str, recipe: str) -> dict:
     """The CPU budget of a defence on models trained with `recipe`: 20 passes over the clean set for the
     fine-tuning ones (SAU's passes cost about 13 epoch-equivalents in all, its shared PGD included); ABL's
     isolation and fine-tuning, BackdoorBench's 20 + 60 of its 100 epochs, become 20 % and 60 % of the
-    recipe's epochs, and its unlearning keeps the published 20 epochs: they pass over the 1 % it isolates
-    (0.2 epoch-equivalents), so cutting them saves nothing."""
+    recipe's epochs, and its unlearning keeps the published 5 epochs: they pass over the 1 % it isolates
+    (0.05 epoch-equivalents), so cutting them saves nothing."""
     epochs = get_recipe(recipe).epochs
     abl = {"tuning_epochs": round(0.2 * epochs), "finetuning_epochs": round(0.6 * epochs)}
     return {"ft": {"epochs": 20}, "fp": {"epochs": 20}, "nad": {"epochs": 20}, "anp": {"iterations": 400},
