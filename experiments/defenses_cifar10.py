@@ -215,7 +215,10 @@ def summary_by_model(rows: list[dict]) -> str:
     old = [r for r in rows if not r.get("zoo") and not r["all_to_all"]]
     parts = []
     if zoo_rows:
+        redo = [f"`{r['zoo']}` {r['defense']}" for r in zoo_rows if stale(r)]
         parts.append("# Zoo models (`" + "`, `".join(sorted({r["zoo"] for r in zoo_rows})) + "`)\n\n"
+                     + ("**Being redone:** " + ", ".join(redo) + " (made with other parameters than their cells' "
+                        "now; counted below until their reruns replace them).\n\n" if redo else "")
                      + summary_markdown(zoo_rows))
     if old:
         parts.append("# Earlier rows: 4-epoch `quick` models trained before the zoo existed\n\n"

@@ -224,3 +224,12 @@ def test_defence_rows_made_with_another_budget_are_redone():
     assert not dc.stale(row("abl")) and dc.stale(row("abl", unlearning_epochs=3))
     assert not dc.stale(row("nad")) and dc.stale(row("ft", epochs=5)) and not dc.stale(row("pbe_lr1e-3"))
     assert dc.stale(row("pbe_lr1e-3", lr=0.01)) and not dc.stale(row("abl", "paper", unlearning_epochs=3))
+    # the summary names the stale rows it still counts
+    full = {"zoo": "cifar10/badnets", "attack": "badnets", "all_to_all": False, "acc_before": 0.85, "asr_before": 1.0,
+            "acc": 0.8, "asr": 0.5, "ra": 0.5, "der": 0.7, "wall_s": 1.0, "epoch_equivalents": 1.0, "detection": None,
+            "rate": 0.1}
+    rows = [{**full, **row(d, **extra), "setting": dc.setting_of(d)} for d, extra in
+            (("abl", {"unlearning_epochs": 3}), ("pbe", {}))]
+    redo = dc.summary_by_model(rows).split("**Being redone:** ")[1].split("\n")[0]
+    assert redo.startswith("`cifar10/badnets` abl (") and "pbe" not in redo
+    assert "Being redone" not in dc.summary_by_model(rows[1:])
