@@ -1,6 +1,6 @@
 """Diagnostic: ABL's unlearning stage alone, given the exact poison (oracle isolation), on an infected zoo
 model. Which unlearning step removes the backdoor when isolation is perfect: the ABL authors' (5 epochs,
-lr 5e-4, batch 64, no augmentation) or BackdoorBench's code's (20 epochs, lr 1e-4, batch 256, augmented),
+lr 5e-4, batch 64, no augmentation) or BackdoorBench's code's (20 epochs, lr 1e-4, batch 256, cropped and flipped),
 each with BatchNorm on batch statistics (both codes) and frozen (running statistics)?
 
 Gradient ascent of the cross-entropy on `--n` poison training images drawn with `--seed`, starting from the
@@ -22,14 +22,16 @@ import torch.nn as nn
 from common import RESULTS
 from pbe import checkpoint, data, zoo
 from pbe.cli.defend import _poisoned_from
-from pbe.defenses.abl import ascent
+from pbe.defenses.abl import ascent, traced_epoch
 from pbe.defenses.base import Context, sgd_finetune
 from pbe.metrics import evaluate
 from pbe.utils import PBEError, atomic_path, hardware_string, seed_everything, toolkit_version, write_json
 
-# name -> (epochs, lr, batch size, augmentation's crop padding, BatchNorm frozen)
-VARIANTS = {"authors": (5, 5e-4, 64, 0, False), "authors_frozen_bn": (5, 5e-4, 64, 0, True),
-            "backdoorbench": (20, 1e-4, 256, 4, False), "backdoorbench_frozen_bn": (20, 1e-4, 256, 4, True)}
+# name -> (epochs, lr, batch size, augmentation (crop padding 4 and flips, as BackdoorBench's CIFAR-10 training
+# transform but its 10-degree rotation), BatchNorm frozen)
+VARIANTS = {"authors": (5, 5e-4, 64, False, False), "authors_frozen_bn": (5, 5e-4, 64, False, True),
+            "backdoorbench": (20, 1e-4, 256, True, False), "backdoorbench_frozen_bn": (20, 1e-4, 256, True, True)}
+CROP_PADDING = 4
 MOMENTUM, WEIGHT_DECAY = 0.9, 1e-4  # both codes' SGD (Nesterov)
 
 
@@ -42,18 +44,18 @@ def frozen_bn_ascent(model, x, y):
 
 
 def unlearn(model, suspects, test, attack, variant: str, seed: int) -> list[dict]:
-    epochs, lr, batch, padding, frozen = VARIANTS[variant]
-    model = copy.deepcopy(model)
+    epochs, lr, batch, augmented, frozen = VARIANTS[variant]
+    model, suspects = copy.deepcopy(model), dataclasses.replace(suspects, flip=augmented)
     trace = []
 
     def traced(done: int) -> None:
-        if done & (done - 1) == 0 or done == epochs:
+        if traced_epoch(done, epochs):
             r = evaluate(model, test, attack)
             trace.append({"epochs": done, "acc": r["acc"], "asr": r["asr"]})
     ctx = Context(torch.device("cpu"), seed_everything(seed), seed, False)
     sgd_finetune(model, suspects, ctx, epochs=epochs, lr=lr, batch_size=batch, momentum=MOMENTUM,
-                 weight_decay=WEIGHT_DECAY, crop_padding=padding, lr_schedule="constant", nesterov=True,
-                 loss_fn=frozen_bn_ascent if frozen else ascent, on_epoch=traced)
+                 weight_decay=WEIGHT_DECAY, crop_padding=CROP_PADDING if augmented else 0, lr_schedule="constant",
+                 nesterov=True, loss_fn=frozen_bn_ascent if frozen else ascent, on_epoch=traced)
     traced(epochs)
     return trace
 
@@ -73,8 +75,7 @@ def main() -> None:
     poisoned, attack = _poisoned_from(entry.folder, data.load(entry.dataset, root, "train"))
     gen = torch.Generator().manual_seed(args.seed)
     pick = torch.randperm(len(poisoned.poison_indices), generator=gen)[:args.n]
-    # the authors' unlearning does not flip (BackdoorBench's augmentation is its crop padding, above)
-    suspects = dataclasses.replace(poisoned.subset(poisoned.poison_indices[pick].sort().values), flip=False)
+    suspects = poisoned.subset(poisoned.poison_indices[pick].sort().values)
     test = data.load(entry.dataset, root, "test")
     test = test.subset(torch.randperm(len(test), generator=gen)[:args.test].sort().values)
     rows = []
@@ -82,7 +83,7 @@ def main() -> None:
         start = time.time()
         trace = unlearn(model, suspects, test, attack, variant, args.seed)
         rows.append({"zoo": args.zoo, "variant": variant, "params": dict(zip(
-            ("epochs", "lr", "batch_size", "crop_padding", "frozen_bn"), VARIANTS[variant])), "trace": trace,
+            ("epochs", "lr", "batch_size", "augmented", "frozen_bn"), VARIANTS[variant])), "trace": trace,
             "wall_s": round(time.time() - start, 1)})
         print(variant, [(t["epochs"], round(100 * t["acc"], 1), round(100 * t["asr"], 1)) for t in trace], flush=True)
     command = (f"python experiments/abl_oracle_unlearning.py --zoo {args.zoo} --n {args.n} --test {args.test} "
@@ -93,13 +94,14 @@ def main() -> None:
              f"`{command}` ({meta['hardware']}, toolkit {meta['toolkit_version']}): gradient ascent on {args.n} "
              f"poison training images of `{args.zoo}`, from the infected model; ACC / ASR in % on {args.test} test "
              "images after each number of epochs.", "",
-             "| variant | epochs | lr | batch | crop padding | BatchNorm | ACC / ASR after n epochs | wall s |",
+             "| variant | epochs | lr | batch | crop and flip | BatchNorm | ACC / ASR after n epochs | wall s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p = r["params"]
         steps = ", ".join(f"{t['epochs']}: {100 * t['acc']:.1f} / {100 * t['asr']:.1f}" for t in r["trace"])
-        lines.append(f"| {r['variant']} | {p['epochs']} | {p['lr']:g} | {p['batch_size']} | {p['crop_padding']} | "
-                     f"{'running stats' if p['frozen_bn'] else 'batch stats'} | {steps} | {r['wall_s']:.0f} |")
+        lines.append(f"| {r['variant']} | {p['epochs']} | {p['lr']:g} | {p['batch_size']} | "
+                     f"{'yes' if p['augmented'] else 'no'} | {'running' if p['frozen_bn'] else 'batch'} statistics | "
+                     f"{steps} | {r['wall_s']:.0f} |")
     with atomic_path(RESULTS / "abl_oracle_unlearning.md") as tmp:
         tmp.write_text("\n".join(lines) + "\n")
 

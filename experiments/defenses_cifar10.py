@@ -9,7 +9,8 @@ CPU budget. The defaults of each defence are its paper's / BackdoorBench's (100 
 2,000 ANP iterations, 100 STRIP overlays), sized for GPUs. On 2 CPU cores this script gives the
 fine-tuning defences AFT's budget instead (20 epochs on the 5% clean set = 1 epoch-equivalent; SAU
 20 epochs too), ANP 400 iterations, STRIP 10 overlays, retrains the filtering defences with the infected
-model's own recipe and gives ABL as many epochs as that recipe; every row records its parameters.
+model's own recipe and gives ABL's isolation and fine-tuning 20 % and 60 % of that recipe's epochs (its
+unlearning costs next to nothing and keeps its default); every row records its parameters.
 `--paper-budget` runs the defaults instead.
 PBE and AFT rows are copied from experiments/results/pbe_cifar10.json when that table has them (same
 infected model, same data), else run here through `pbe defend`.
@@ -64,8 +65,9 @@ def cpu_budget(defense: str, recipe: str) -> dict:
 
 def stale(row: dict) -> bool:
     """A CPU-budget row made with other parameters than its cell would run with now (a budget or a default
-    changed since) is redone; the row stays until the new one replaces it."""
-    if row.get("budget") != "cpu":
+    changed since, or a parameter added: the row lacks it) is redone; the row stays until the new one
+    replaces it. Published-budget rows are not checked: their table is rerun by deleting rows."""
+    if row.get("budget") != "cpu" or not row.get("recipe"):
         return False
     name, variant = registered(row["defense"])
     now = json.loads(json.dumps({**defenses.create(name).params, **cpu_budget(name, row["recipe"]), **variant}))

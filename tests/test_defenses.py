@@ -198,6 +198,17 @@ def test_abl_reports_its_unlearning(badnets_model, clean_extra, digits):
     assert losses["running_stats"] != losses["batch_stats"]  # the digits net normalises with BatchNorm
 
 
+def test_abl_traces_powers_of_two_and_the_last_epoch_and_checks_its_stages():
+    from pbe.defenses.abl import traced_epoch
+    assert [e for e in range(1) if traced_epoch(e, 0)] == [0]
+    assert [e for e in range(5) if traced_epoch(e, 4)] == [0, 1, 2, 4]
+    assert [e for e in range(21) if traced_epoch(e, 20)] == [0, 1, 2, 4, 8, 16, 20]
+    with pytest.raises(PBEError, match=r"abl: unlearning_epochs must be an integer in \[0,"):
+        defenses.create("abl", unlearning_epochs=-1)
+    with pytest.raises(PBEError, match="abl: unlearning_batch_size must be an integer in"):
+        defenses.create("abl", unlearning_batch_size=0)
+
+
 def test_anp_prunes_the_backdoor_neurons(badnets_model, clean_extra, digits):
     rep = _run("anp", badnets_model, clean_extra, digits).report
     assert 0 < rep["pruned_count"] < rep["neurons"] / 4

@@ -209,7 +209,7 @@ def test_published_budget_estimate_scales_with_what_the_cpu_budget_cuts():
 
 def test_defence_rows_made_with_another_budget_are_redone():
     """A CPU-budget row whose parameters differ from what its cell would run now (ABL's unlearning was cut
-    to 3 epochs before it kept the published 20) is stale, so the driver reruns it; a row at the current
+    to 3 epochs before it kept its default) is stale, so the driver reruns it; a row at the current
     budget, a variant's row with its fixed parameter, and a published-budget row are not."""
     sys.path.insert(0, str(EXPERIMENTS))
     import defenses_cifar10 as dc

@@ -101,8 +101,8 @@ def _hint_name(hint) -> str:
 
 
 # ranges every defence's parameters of these names must respect (a subclass's _check adds its own)
-COUNTS = {"epochs", "adv_epochs", "teacher_epochs", "retrain_epochs", "batch_size", "iterations", "rounds", "k", "n",
-          "nb_dims", "steps"}
+COUNTS = {"epochs", "adv_epochs", "teacher_epochs", "retrain_epochs", "batch_size", "unlearning_batch_size",
+          "iterations", "rounds", "k", "n", "nb_dims", "steps"}
 MAX_COUNT = 10 ** 6
 RATES = {"lr", "delta_lr", "inner_step"}
 MAX_RATE = 100.0
