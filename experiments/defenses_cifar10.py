@@ -30,7 +30,7 @@ from grid import Cell, execute, median_cost
 
 from pbe import defenses, zoo
 from pbe.train import get_recipe
-from pbe.utils import PBEError
+from pbe.utils import PBEError, json_safe
 
 MODELS = ["badnets", "badnets_a2a", "blend", "sig", "sig_poison_label", "wanet", "input_aware"]  # summary columns
 BACKDOORBENCH_ATTACKS = {"badnets", "blend", "sig", "wanet", "input_aware"}  # the zoo models it has rows for
@@ -70,7 +70,7 @@ def stale(row: dict) -> bool:
     if row.get("budget") != "cpu" or not row.get("recipe"):
         return False
     name, variant = registered(row["defense"])
-    now = json.loads(json.dumps({**defenses.create(name).params, **cpu_budget(name, row["recipe"]), **variant}))
+    now = json_safe({**defenses.create(name).params, **cpu_budget(name, row["recipe"]), **variant})
     return any(row["params"].get(k) != v for k, v in now.items())
 
 

@@ -17,17 +17,14 @@ def one_thread():
     and 2 threads), so a check that passes here passes in CI on the same kind of CPU. OMP_NUM_THREADS is set
     too: torch's CPU kernels read it as well, and set_num_threads alone left that model's scan z at 2.84 with
     the variable unset (as in CI), 4.66 with it 1."""
-    before, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        yield
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("OMP_NUM_THREADS", "1")
+            yield
     finally:
         torch.set_num_threads(before)
-        if omp is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = omp
 
 
 @pytest.fixture(autouse=True)
