@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import platform
 import random
 import tempfile
 from pathlib import Path
@@ -61,12 +62,28 @@ def use_all_cpus() -> int:
     return n
 
 
+def cpu_model() -> str:
+    """The CPU's model name and the vector instructions torch's kernels use on it, e.g. "AMD EPYC 7B13
+    (AVX2)". The same seeded run gives different floats on an AVX2 and an AVX-512 CPU, and a training run
+    amplifies them, so a result row names its CPU."""
+    name = platform.processor() or "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+                break
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
 def hardware_string() -> str:
+    """What a timed row ran on: the GPU, or the threads used of the CPUs available and the CPU's model."""
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     n, cores = torch.get_num_threads(), available_cpus()
-    used = f"{n} CPU cores" if n >= cores else f"{n} thread{'s' if n > 1 else ''} on {cores} CPU cores"
-    return f"{used}, torch {torch.__version__.split('+')[0]}"
+    used = (f"{n} CPU core{'s' if n > 1 else ''}" if n >= cores
+            else f"{n} thread{'s' if n > 1 else ''} on {cores} CPU cores")
+    return f"{used} of {cpu_model()}, torch {torch.__version__.split('+')[0]}"
 
 
 @contextlib.contextmanager

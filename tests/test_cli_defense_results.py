@@ -24,6 +24,17 @@ def attack_run(tmp_path_factory):
     return out
 
 
+def test_a_run_names_its_threads_and_cpu(attack_run):
+    """Seeded runs differ in their floats between CPUs (AVX2, AVX-512), so a row names the one it ran on."""
+    import torch
+
+    from pbe.utils import available_cpus, cpu_model
+    hardware = json.loads((attack_run / "metrics.json").read_text())["hardware"]
+    threads = "1 CPU core" if available_cpus() == 1 else f"1 thread on {available_cpus()} CPU cores"
+    assert hardware.startswith(f"{threads} of {cpu_model()}, torch "), hardware
+    assert cpu_model().endswith(f"({torch.backends.cpu.get_cpu_capability()})")
+
+
 def test_cli_detect_and_erase_no_clean(attack_run, tmp_path):
     r = run_cli("detect", "--model", str(attack_run), "--method", "kappa", "--eps", "0.1", "--probe-size", "300")
     assert r.returncode == 0, r.stderr
