@@ -1,7 +1,8 @@
 """An output folder is one unit: everything a command writes belongs to one run.
 
 A command (``pbe train | attack | erase | defend``) never writes into ``--out`` itself. It writes into a
-staging folder beside it (``.NAME.partial``; training's resumable state lives there too), writes
+staging folder beside it (``.NAME.partial``, which names the run it stages; the resumable states of a
+training and of a defence live there too, taken up by a rerun of the same run, --overwrite or not), writes
 ``manifest.json`` last (the run's identity and the sha256 of every file), and then swaps the staging
 folder into place with two renames (``out -> .NAME.old``, ``.NAME.partial -> out``). A kill at any
 moment therefore leaves the old unit or the new one: the next command on that ``--out`` first calls
@@ -27,6 +28,7 @@ from typing import Iterator
 from pbe.utils import PBEError, write_boundary, write_json
 
 MANIFEST = "manifest.json"
+STAGED = ".staged.json"  # in a staging folder: the run it stages (removed when the unit is committed)
 FORMAT = "pbe-run-1"
 CHUNK = 1 << 20
 
@@ -38,6 +40,32 @@ def _side(out: Path, tag: str) -> Path:
 def staging(out: str | os.PathLike) -> Path:
     """Where a command writes before its unit is swapped into `out`."""
     return _side(Path(out), "partial")
+
+
+def stage_for(out: str | os.PathLike, run: dict, replace: bool) -> Path:
+    """The staging folder of `out`, made for `run`. One that an interrupted command left is kept when it
+    staged the same run, its code version aside (the states in it resume, each checking its own run);
+    one of another run is removed when `replace` (--overwrite) is given, and refused otherwise."""
+    stage, key = staging(out), {k: v for k, v in run.items() if k != "toolkit_version"}
+    held = _staged(stage) if stage.exists() else key
+    if held is not None and held != key:
+        if not replace:
+            raise PBEError(f"{stage} holds the unfinished state of another run on {out}; pass --overwrite to "
+                           "discard it, or choose another --out")
+        shutil.rmtree(stage)
+    elif held is None and replace:  # staged by a version that did not say which run
+        shutil.rmtree(stage)
+    stage.mkdir(parents=True, exist_ok=True)
+    if _staged(stage) is None:
+        write_json(stage / STAGED, key)
+    return stage
+
+
+def _staged(stage: Path) -> dict | None:
+    try:
+        return json.loads((stage / STAGED).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
 
 
 def sha256(path: Path) -> str:
@@ -53,9 +81,10 @@ def _files(folder: Path) -> list[Path]:
 
 
 def write_manifest(folder: Path, run: dict, drop: tuple[str, ...] = ()) -> None:
-    """The last write of a unit: its run and the sha256 of every file in it, except `drop` (files of
-    the staging only, e.g. a training state: removed when the unit is committed)."""
-    files = {p.relative_to(folder).as_posix(): sha256(p) for p in _files(folder) if p.name not in drop}
+    """The last write of a unit: its run and the sha256 of every file in it, except `drop` (files or
+    folders of the staging only, e.g. a training state: removed when the unit is committed)."""
+    files = {p.relative_to(folder).as_posix(): sha256(p) for p in _files(folder)
+             if p.relative_to(folder).parts[0] not in drop}
     write_json(folder / MANIFEST, {"format": FORMAT, "run": run, "files": files, "drop": list(drop)})
 
 
@@ -119,8 +148,11 @@ def recover(out: str | os.PathLike) -> None:
 
 def commit(stage: Path, out: Path) -> None:
     """Swap the finished staging folder into `out` (the old unit, if any, is removed after)."""
-    for name in (read_manifest(stage) or {}).get("drop", []):
-        (stage / name).unlink(missing_ok=True)
+    for name in [*(read_manifest(stage) or {}).get("drop", []), STAGED]:
+        if (stage / name).is_dir():
+            shutil.rmtree(stage / name)
+        else:
+            (stage / name).unlink(missing_ok=True)
     old = _side(out, "old")
     if old.exists():
         shutil.rmtree(old)

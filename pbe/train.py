@@ -127,7 +127,9 @@ def data_fingerprint(dataset: ImageDataset) -> str:
     return h.hexdigest()
 
 
-def _rng_state(gen: torch.Generator) -> dict:
+def rng_state(gen: torch.Generator) -> dict:
+    """Every random generator a run draws from (`gen`, torch's, Python's, NumPy's, CUDA's): what a
+    resumable state saves so that a resumed run draws what an uninterrupted one would."""
     state = {"gen": gen.get_state(), "torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": np.random.get_state()}
     if torch.cuda.is_available():
@@ -135,7 +137,8 @@ def _rng_state(gen: torch.Generator) -> dict:
     return state
 
 
-def _set_rng_state(gen: torch.Generator, state: dict) -> None:
+def set_rng_state(gen: torch.Generator, state: dict) -> None:
+    """Restore what ``rng_state`` saved."""
     gen.set_state(state["gen"])
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
@@ -255,7 +258,7 @@ def train(model: nn.Module, train_set: ImageDataset, test_set: ImageDataset | No
 def _checkpoint(path: Path, run: dict, model, opt, gen, hook, epoch: int, step: int, history: list,
                 elapsed: float) -> None:
     state = {"run": run, "epoch": epoch, "step": step, "history": history, "elapsed_s": elapsed,
-             "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": _rng_state(gen)}
+             "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(gen)}
     if hook is not None and hasattr(hook, "state_dict"):
         state["hook"] = hook.state_dict()
     save_state(path, state)
@@ -268,7 +271,7 @@ def _resume(path: Path, run: dict, model, opt, gen, hook) -> tuple[int, int, lis
                        "delete it, or use another output folder")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
-    _set_rng_state(gen, state["rng"])
+    set_rng_state(gen, state["rng"])
     if hook is not None and hasattr(hook, "load_state_dict"):
         hook.load_state_dict(state["hook"])
     return state["epoch"], state["step"], state["history"], state["elapsed_s"]

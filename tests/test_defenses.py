@@ -255,3 +255,54 @@ def test_defences_are_reproducible_to_the_seed(badnets_model, clean_extra, digit
     assert all(torch.equal(a[k], b[k]) for k in a)
     other = _run_uncached("nad", badnets_model, clean_extra, digits, epochs=2, teacher_epochs=1, seed=1)
     assert not all(torch.equal(a[k], v) for k, v in other.model.state_dict().items())  # the seed matters
+
+
+class Interrupted(Exception):
+    """What a kill is to a defence call: raised in place of its n-th state write."""
+
+
+@pytest.mark.parametrize("name, extra", [("abl", {}), ("sau", {}), ("strip", {"retrain": "tiny", "retrain_epochs": 3})])
+def test_an_interrupted_call_resumes_to_the_uninterrupted_result(name, extra, badnets_model, clean_extra, digits,
+                                                                   tmp_path, monkeypatch):
+    """Given a state_dir, a call stopped at any of its state writes (its loops' epochs, STRIP's batches,
+    the retrain's epochs) and called again ends with the model, report and costs of a call never stopped."""
+    import importlib
+    base, train = (importlib.import_module(m) for m in ("pbe.defenses.base", "pbe.train"))  # modules, not functions
+    model, attack, poisoned = badnets_model
+    writes, stop = [], [None]
+    save = base.save_state
+
+    def counted(path, state):
+        writes.append(path)
+        if len(writes) == stop[0]:
+            raise Interrupted
+        save(path, state)
+    monkeypatch.setattr(base, "save_state", counted)
+    monkeypatch.setattr(train, "save_state", counted)
+
+    def call(state_dir, seed=0):
+        defense = defenses.create(name, **{**TINY[name], **extra})
+        data = clean_extra if defense.setting == "clean-extra" else poisoned
+        return defense(model, data, progress=False, evaluation=Evaluation(digits[1], attack, poisoned.poison_indices),
+                       train_size=len(digits[0]), seed=seed, state_dir=state_dir)
+
+    whole = call(tmp_path / "whole")
+    total = len(writes)
+    assert total >= 5 and "resumed" not in whole.report
+
+    def measured(report):  # what a resumed call must repeat: all but times
+        same = {k: report.get(k) for k in ("after", "epoch_equivalents", "passes", "scores", "epochs", "unlearning")}
+        log = report.get("retrain", {}).get("log", [])
+        return {**same, "retrain": [{k: v for k, v in row.items() if k != "elapsed_s"} for row in log]}
+    for n in sorted({2, total // 2, total}):  # the first write stopped leaves nothing to resume
+        writes.clear()
+        stop[0] = n
+        with pytest.raises(Interrupted):
+            call(tmp_path / f"cut{n}")
+        stop[0] = None
+        resumed = call(tmp_path / f"cut{n}")
+        assert resumed.report["resumed"], n
+        assert measured(resumed.report) == measured(whole.report), n
+        assert all(torch.equal(v, resumed.model.state_dict()[k]) for k, v in whole.model.state_dict().items()), n
+    with pytest.raises(PBEError, match="another defence call"):
+        call(tmp_path / "whole", seed=1)

@@ -127,3 +127,32 @@ def test_a_changed_file_is_refused_and_a_second_writer_waits(attacked, tmp_path)
         r = pbe("defend", "--defense", "ft", "--param", "epochs=1", "--model", str(attacked),
                 "--poison-from", str(attacked), "--out", str(out), "--overwrite", *COMMON)
     assert r.returncode == 2 and "another pbe command is writing" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_killed_defence_resumes_its_staged_state(attacked, driver, tmp_path):
+    """`pbe defend` killed in the middle of a defence (STRIP's scoring batches, its retrain's epochs) takes
+    up the state it staged when run again, with --overwrite as the reproduction scripts run it: the report
+    says where, the model is the one of a run never killed, and the state is gone from the unit. A state
+    staged by another run is refused without --overwrite and discarded with it."""
+    args = ["defend", "--defense", "strip", "--param", "n=4", "--param", "retrain=tiny", "--param", "retrain_epochs=2",
+            "--model", str(attacked), "--poison-from", str(attacked), *COMMON]
+    whole = tmp_path / "whole"
+
+    def run(*extra, out, fault=0):
+        return pbe_killed(driver, *args, *extra, "--out", str(out), fault=fault, errors=tmp_path / "stderr")
+    assert run(out=whole) == 0, (tmp_path / "stderr").read_text()
+    # writes 1-2: the staged run's and the defence call's identities; 3-8: STRIP's 6 batches; 9-10: the retrain
+    for fault, stage in ((6, 1), (9, "retrain")):
+        cut = tmp_path / f"cut{fault}"
+        assert run("--overwrite", out=cut, fault=fault) == FAULT_EXIT
+        assert run("--overwrite", out=cut) == 0, (tmp_path / "stderr").read_text()
+        report = json.loads((cut / "report.json").read_text())
+        assert stage in [r["stage"] for r in report["resumed"]], report["resumed"]
+        assert "resumed" not in json.loads((whole / "report.json").read_text())
+        assert rundir.sha256(cut / "model.safetensors") == rundir.sha256(whole / "model.safetensors")
+        assert not (cut / "state").exists() and not (cut / rundir.STAGED).exists()
+    other = tmp_path / "other"
+    assert run(out=other, fault=6) == FAULT_EXIT
+    assert run("--seed", "1", out=other) == 2 and "--overwrite" in (tmp_path / "stderr").read_text()
+    assert run("--seed", "1", "--overwrite", out=other) == 0
+    assert "resumed" not in json.loads((other / "report.json").read_text())

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -107,9 +106,7 @@ def output_unit(args, run: dict, drop: tuple[str, ...] = ()) -> Iterator[Path | 
             print(json.dumps(done))
             yield None
             return
-        if overwrite and stage.exists():
-            shutil.rmtree(stage)
-        stage.mkdir(parents=True, exist_ok=True)
+        stage = rundir.stage_for(out, run, replace=overwrite)  # an interrupted run of this command resumes
         yield stage
         rundir.write_manifest(stage, run, drop)
         rundir.commit(stage, out)

@@ -55,6 +55,7 @@ def _poisoned_from(run_dir: Path, clean_train):
     return poisoned, attack
 
 
+DEFENSE_STATE = "state"  # in the staging folder: the defence's resumable stages (Defense.__call__'s state_dir)
 ACC_DROP_WARNING = 0.03  # warn when a defence without clean data estimates a larger clean-accuracy drop
 
 
@@ -77,7 +78,7 @@ def run_defense(args, defense) -> dict:
     # the code's version is part of a defence run's identity: a finished run of other code is not reused
     run = {**_run_identity(args), "defense": defense.name, "params": defense.resolved(),
            "toolkit_version": toolkit_version()}
-    with output_unit(args, run) as stage:
+    with output_unit(args, run, drop=(DEFENSE_STATE,)) as stage:
         if stage is None:
             return json.loads((args.out / "metrics.json").read_text())
         model, meta, test = load_model_and_test(args)
@@ -107,7 +108,8 @@ def run_defense(args, defense) -> dict:
             inputs = clean_train.subset(idx.sort().values)
             extra["clean_indices"] = idx.sort().values.tolist()
         result = defense(model, inputs, seed=args.seed, device=args.device, progress=not args.no_progress,
-                         evaluation=Evaluation(test, attack, poison_indices), train_size=len(clean_train))
+                         evaluation=Evaluation(test, attack, poison_indices), train_size=len(clean_train),
+                         state_dir=stage / DEFENSE_STATE)
         report = {**result.report, **extra, "hardware": hardware_string(), "toolkit_version": run["toolkit_version"],
                   "command": " ".join(["pbe"] + sys.argv[1:])}
         write_json(stage / "report.json", report)

@@ -2,19 +2,25 @@
 model, times and counts the work, measures before/after (only with an `Evaluation`), and returns a
 `DefenseResult`. A subclass writes `_defend` only.
 
+Given a `state_dir`, a call resumes where an interrupted call of the same defence on the same model and
+data stopped: each long loop is a `Stage` that writes its state after every epoch.
+
 Two settings (PBE.md): ``clean-extra`` defences get a small clean set (5% of the clean training set
 by default, as in BackdoorBench); ``no-clean`` defences get the possibly poisoned training set.
 """
 from __future__ import annotations
 
 import copy
+import hashlib
 import inspect
+import json
 import math
 import time
 import types
 import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, ClassVar
 
 import torch
@@ -22,10 +28,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from pbe.checkpoint import load_state, save_state
 from pbe.data import ImageDataset, augment
 from pbe.metrics import der, evaluate, ranking_quality
-from pbe.train import batches, lr_factor
-from pbe.utils import PBEError, resolve_device, seed_everything, use_all_cpus
+from pbe.train import batches, data_fingerprint, lr_factor, rng_state, set_rng_state
+from pbe.utils import PBEError, json_safe, resolve_device, seed_everything, use_all_cpus, write_json
 
 SETTINGS = ("clean-extra", "no-clean")
 
@@ -65,7 +72,8 @@ class DefenseResult:
 
 @dataclass
 class Context:
-    """Per-call state handed to `_defend`: device, the seeded generator, the cost counter."""
+    """Per-call state handed to `_defend`: device, the seeded generator, the cost counter, and where
+    its `Stage`s keep their state (None: nowhere, nothing resumes)."""
 
     device: torch.device
     gen: torch.Generator
@@ -73,6 +81,95 @@ class Context:
     progress: bool
     cost: Cost = field(default_factory=Cost)
     evaluation: Evaluation | None = None  # for per-round reports only: a defence must not use it
+    state_dir: Path | None = None
+    start: float = field(default_factory=time.time)  # moved back by a resumed stage's elapsed time
+    stages: int = 0  # the call's Stages so far (each one's number)
+    resumed: list = field(default_factory=list)  # where each resumed stage took up
+
+
+class Stage:
+    """One resumable loop of a defence call (epochs over data, or batches of a long scoring pass).
+
+    Without ``ctx.state_dir`` it only counts. With it, after every epoch ``done(epoch)`` writes the loop's
+    state to ``stageN.safetensors`` (N: the loop's number in the call): the epochs done, `model`'s,
+    `optimizer`'s and `scheduler`'s states, the filled `tensors`, the loop's `log`, every random
+    generator and the cost counters. A rerun of the same call then takes each loop up where its state
+    ends: a finished loop is skipped with its end state loaded (what follows it recomputes from there),
+    an unfinished one resumes after its last epoch (``first``), and ``ctx.gen``, the costs and the wall
+    time continue as in an uninterrupted run. A loop whose epochs depend on more than these (callbacks,
+    stateful transforms) passes ``resumable=False``: it runs whole again.
+
+    Example::
+
+        >>> stage = Stage(ctx, epochs, model=model, optimizer=opt)
+        >>> for epoch in range(stage.first, epochs):
+        ...     ...  # one epoch; stage.log.append(...) for what the report says per epoch
+        ...     stage.done(epoch + 1)
+    """
+
+    def __init__(self, ctx: Context, epochs: int, *, model: nn.Module | None = None, optimizer=None,
+                 scheduler=None, tensors: dict[str, torch.Tensor] | None = None, resumable: bool = True):
+        ctx.stages += 1
+        self.ctx, self.epochs, self.first, self.log = ctx, epochs, 0, []
+        self.parts = {k: v for k, v in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler))
+                      if v is not None}
+        self.tensors = tensors or {}
+        self.path = (ctx.state_dir / f"stage{ctx.stages}.safetensors"
+                     if ctx.state_dir is not None and resumable else None)
+        if self.path is not None and self.path.exists():
+            self._load(load_state(self.path))
+
+    def _load(self, state: dict) -> None:
+        for key, part in self.parts.items():
+            part.load_state_dict(state[key])
+        for key, tensor in self.tensors.items():
+            tensor.copy_(state["tensors"][key])
+        set_rng_state(self.ctx.gen, state["rng"])
+        self.ctx.cost.forward_backward, self.ctx.cost.forward = state["cost"]
+        self.ctx.start = time.time() - state["elapsed_s"]
+        self.first, self.log = state["epoch"], state["log"]
+        self.ctx.resumed.append({"stage": self.ctx.stages, "epochs_done": self.first, "epochs": self.epochs})
+
+    def done(self, epoch: int) -> None:
+        """Record that `epoch` epochs are done (a no-op without a state folder)."""
+        if self.path is None:
+            return
+        save_state(self.path, {"epoch": epoch, "log": self.log, "rng": rng_state(self.ctx.gen),
+                               "cost": [self.ctx.cost.forward_backward, self.ctx.cost.forward],
+                               "elapsed_s": time.time() - self.ctx.start, "tensors": self.tensors,
+                               **{key: part.state_dict() for key, part in self.parts.items()}})
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """sha256 of a model's parameters and buffers (which model a defence's state belongs to)."""
+    h = hashlib.sha256()
+    for key, value in model.state_dict().items():
+        h.update(key.encode())
+        h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def claim_state_dir(state_dir, identity: dict) -> Path:
+    """Make `state_dir` this call's: create it and write the call's identity, or check that the state
+    there is this call's (the same defence, parameters, seed, model and data)."""
+    folder = Path(state_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / STATE_IDENTITY
+    identity = json_safe(identity)
+    if path.exists():
+        try:
+            held = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            held = None
+        if held != identity:
+            raise PBEError(f"{folder} holds the state of another defence call (other defence, parameters, seed, "
+                           "model or data); delete it, or pass another state_dir")
+    else:
+        write_json(path, identity)
+    return folder
+
+
+STATE_IDENTITY = "call.json"  # in a state_dir: the call its stages belong to
 
 
 def _type_ok(value, hint) -> bool:
@@ -166,9 +263,11 @@ class Defense(ABC):
 
     def __call__(self, model: nn.Module, data: ImageDataset, *, seed: int = 0, device="auto",
                  progress: bool = True, evaluation: Evaluation | None = None,
-                 train_size: int | None = None) -> DefenseResult:
+                 train_size: int | None = None, state_dir: str | Path | None = None) -> DefenseResult:
         """Defend `model` with `data` (the clean extra set or the poisoned training set, by setting).
-        `train_size` (the full training set's size) is the unit of the reported epoch-equivalents."""
+        `train_size` (the full training set's size) is the unit of the reported epoch-equivalents.
+        `state_dir`: a folder where the long loops keep their state, so that a call interrupted there
+        resumes when called again the same way (see `Stage`; the report's ``resumed`` says where)."""
         if not isinstance(data, ImageDataset) or len(data) == 0:
             raise PBEError(f"{self.name} needs a non-empty ImageDataset "
                            f"({'the clean extra set' if self.setting == 'clean-extra' else 'the training set'})")
@@ -176,7 +275,10 @@ class Defense(ABC):
         if dev.type == "cpu":
             use_all_cpus()
         ctx = Context(dev, seed_everything(seed), seed, progress, evaluation=evaluation)
-        start = time.time()
+        if state_dir is not None:
+            ctx.state_dir = claim_state_dir(state_dir, {
+                "defense": self.name, "params": self.params, "seed": seed, "model": model_fingerprint(model),
+                "data": data_fingerprint(data)})
         model = copy.deepcopy(model).to(dev).eval()
         before = measure(model, evaluation)
         model, report, suspected = self._defend(model, data, ctx)
@@ -186,7 +288,7 @@ class Defense(ABC):
                   "data_size": len(data), "train_size": n, "before": before, "after": measure(model, evaluation),
                   **report, "epoch_equivalents": ctx.cost.epoch_equivalents(n),
                   "passes": {"forward_backward": ctx.cost.forward_backward, "forward": ctx.cost.forward},
-                  "wall_s": round(time.time() - start, 1)}
+                  "wall_s": round(time.time() - ctx.start, 1), **({"resumed": ctx.resumed} if ctx.resumed else {})}
         b, a = report["before"], report["after"]
         if b.get("asr") is not None:
             report["der"] = der(b["acc"], b["asr"], a["acc"], a["asr"])
@@ -223,14 +325,18 @@ def sgd_finetune(model: nn.Module, data: ImageDataset, ctx: Context, *, epochs: 
     """The fine-tuning loop of every repair defence: SGD on shuffled, augmented batches, with per-epoch
     cosine annealing (BackdoorBench's loop) or a constant lr (the PBE authors'). `transform(x, y)`
     changes each augmented batch before the step (adversarial examples, with the samples' own labels)
-    and counts its own cost; `on_epoch(epoch)` runs before each epoch."""
+    and counts its own cost; `on_epoch(epoch)` runs before each epoch. The loop is a `Stage`, resumable
+    when it has neither `on_epoch`, `transform` nor `after_step` (whose state it could not restore)."""
     if lr_schedule not in ("cosine", "constant"):
         raise PBEError(f"lr_schedule must be 'cosine' or 'constant', got {lr_schedule!r}")
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: lr_factor(e, epochs, lr_schedule))
-    bar = tqdm(total=epochs * math.ceil(len(data) / batch_size), desc=desc, disable=not ctx.progress,
+    stage = Stage(ctx, epochs, model=model, optimizer=opt, scheduler=scheduler,
+                  resumable=on_epoch is None and transform is None and after_step is None)
+    per_epoch = math.ceil(len(data) / batch_size)
+    bar = tqdm(total=epochs * per_epoch, initial=stage.first * per_epoch, desc=desc, disable=not ctx.progress,
                leave=False, unit="batch")
-    for epoch in range(epochs):
+    for epoch in range(stage.first, epochs):
         if on_epoch is not None:
             on_epoch(epoch)
         model.train()
@@ -249,6 +355,7 @@ def sgd_finetune(model: nn.Module, data: ImageDataset, ctx: Context, *, epochs: 
             ctx.cost.forward_backward += len(y)
             bar.update(1)
         scheduler.step()
+        stage.done(epoch + 1)
     bar.close()
     model.eval()
 

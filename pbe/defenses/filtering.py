@@ -7,6 +7,7 @@ None skips retraining and returns the infected model unchanged with the flagged 
 """
 from __future__ import annotations
 
+import time
 from abc import abstractmethod
 
 import torch
@@ -17,6 +18,7 @@ from pbe.defenses.base import Context, Defense, fresh_copy
 from pbe.utils import PBEError
 
 RETRAIN_RECIPE = "cpu"  # the zoo's infected models' recipe: retraining on the kept samples is then fair
+RETRAIN_STATE = "retrain.safetensors"  # in the call's state_dir: pbe.train's resumable training state
 
 
 class FilteringDefense(Defense):
@@ -51,8 +53,13 @@ class FilteringDefense(Defense):
             raise PBEError(f"{self.name} flagged every training sample; nothing is left to retrain on")
         recipe = get_recipe(self.params["retrain"], epochs=self.params["retrain_epochs"])
         retrained = fresh_copy(model, ctx.seed)
+        state = None if ctx.state_dir is None else ctx.state_dir / RETRAIN_STATE  # resumable, as a Stage
+        resumed, start = state is not None and state.exists(), time.time()
         history = train(retrained, data.subset(keep), None, recipe, seed=ctx.seed, device=ctx.device,
-                        progress=ctx.progress)
+                        progress=ctx.progress, state_path=state)
+        if resumed:  # the wall time counts the retrain's epochs made before the interruption too
+            ctx.start -= history[-1]["elapsed_s"] - (time.time() - start)
+            ctx.resumed.append({"stage": "retrain", "epochs": recipe.epochs})
         ctx.cost.forward_backward += recipe.epochs * len(keep)
         report["retrain"] = {"recipe": self.params["retrain"], "epochs": recipe.epochs, "log": history}
         return retrained, report, suspected

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pbe.data import ImageDataset
-from pbe.defenses.base import Context, Defense
+from pbe.defenses.base import Context, Defense, Stage
 from pbe.train import batches
 from pbe.utils import PBEError
 
@@ -122,8 +122,8 @@ class SAU(Defense):
         ref = copy.deepcopy(model).eval().requires_grad_(False)
         opt = torch.optim.Adam(model.parameters(), lr=p["lr"], weight_decay=0.0, amsgrad=True)
         model.eval()
-        history = []
-        for epoch in range(p["epochs"]):
+        stage = Stage(ctx, p["epochs"], model=model, optimizer=opt)
+        for epoch in range(stage.first, p["epochs"]):
             shared_total, potential_total = 0, 0
             for idx in batches(len(data), p["batch_size"], ctx.gen):
                 x = data.images[idx].to(ctx.device).float().div_(255)
@@ -149,6 +149,7 @@ class SAU(Defense):
                 ctx.cost.forward += 2 * len(y)
                 shared_total += int((potential & (per_logits.argmax(1) == label_ref)).sum())
                 potential_total += int(potential.sum())
-            history.append({"epoch": epoch + 1, "potential_backdoor_examples": potential_total,
-                            "shared_before_step": shared_total})
-        return model, {"epochs": history}, None
+            stage.log.append({"epoch": epoch + 1, "potential_backdoor_examples": potential_total,
+                              "shared_before_step": shared_total})
+            stage.done(epoch + 1)
+        return model, {"epochs": stage.log}, None
