@@ -104,7 +104,8 @@ def trained_row(cell: dict, m: dict, out: Path) -> dict:
             "train_log": [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []}
 
 
-REPORT_DIAGNOSTICS = ("isolated_loss", "unlearning")  # report keys a row keeps: why a defence failed (ABL)
+# report keys a row keeps: why a defence failed (ABL), and where a killed run resumed (on what, with what code)
+REPORT_DIAGNOSTICS = ("isolated_loss", "unlearning", "resumed")
 
 
 def defence_row(cell: dict, command: str, report: dict, entry: zoo.Entry | None, **extra) -> dict:

@@ -32,7 +32,8 @@ from pbe.checkpoint import load_state, save_state
 from pbe.data import ImageDataset, augment
 from pbe.metrics import der, evaluate, ranking_quality
 from pbe.train import batches, data_fingerprint, lr_factor, rng_state, set_rng_state
-from pbe.utils import PBEError, json_safe, resolve_device, seed_everything, use_all_cpus, write_json
+from pbe.utils import (PBEError, hardware_string, json_safe, resolve_device, seed_everything, toolkit_version,
+                       use_all_cpus, write_json)
 
 SETTINGS = ("clean-extra", "no-clean")
 
@@ -93,11 +94,13 @@ class Stage:
     Without ``ctx.state_dir`` it only counts. With it, after every epoch ``done(epoch)`` writes the loop's
     state to ``stageN.safetensors`` (N: the loop's number in the call): the epochs done, `model`'s,
     `optimizer`'s and `scheduler`'s states, the filled `tensors`, the loop's `log`, every random
-    generator and the cost counters. A rerun of the same call then takes each loop up where its state
-    ends: a finished loop is skipped with its end state loaded (what follows it recomputes from there),
-    an unfinished one resumes after its last epoch (``first``), and ``ctx.gen``, the costs and the wall
-    time continue as in an uninterrupted run. A loop whose epochs depend on more than these (callbacks,
-    stateful transforms) passes ``resumable=False``: it runs whole again.
+    generator, the cost counters, and the hardware and code version that wrote it (``ctx.resumed`` names
+    them: a run resumed on another CPU or code is not bit-identical to one that was not). A rerun of the
+    same call then takes each loop up where its state ends: a finished loop is skipped with its end state
+    loaded (what follows it recomputes from there), an unfinished one resumes after its last epoch
+    (``first``), and ``ctx.gen``, the costs and the wall time continue as in an uninterrupted run. A loop
+    whose epochs depend on more than these (callbacks, stateful transforms) passes ``resumable=False``: it
+    runs whole again.
 
     Example::
 
@@ -116,6 +119,8 @@ class Stage:
         self.tensors = tensors or {}
         self.path = (ctx.state_dir / f"stage{ctx.stages}.safetensors"
                      if ctx.state_dir is not None and resumable else None)
+        self.origin = ({"hardware": hardware_string(), "toolkit_version": toolkit_version()}
+                       if self.path is not None else {})  # who writes the states
         if self.path is not None and self.path.exists():
             self._load(load_state(self.path))
 
@@ -128,7 +133,8 @@ class Stage:
         self.ctx.cost.forward_backward, self.ctx.cost.forward = state["cost"]
         self.ctx.start = time.time() - state["elapsed_s"]
         self.first, self.log = state["epoch"], state["log"]
-        self.ctx.resumed.append({"stage": self.ctx.stages, "epochs_done": self.first, "epochs": self.epochs})
+        self.ctx.resumed.append({"stage": self.ctx.stages, "epochs_done": self.first, "epochs": self.epochs,
+                                 "written_on": state["hardware"], "toolkit_version": state["toolkit_version"]})
 
     def done(self, epoch: int) -> None:
         """Record that `epoch` epochs are done (a no-op without a state folder)."""
@@ -137,6 +143,7 @@ class Stage:
         save_state(self.path, {"epoch": epoch, "log": self.log, "rng": rng_state(self.ctx.gen),
                                "cost": [self.ctx.cost.forward_backward, self.ctx.cost.forward],
                                "elapsed_s": time.time() - self.ctx.start, "tensors": self.tensors,
+                               **self.origin,
                                **{key: part.state_dict() for key, part in self.parts.items()}})
 
 
