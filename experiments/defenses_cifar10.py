@@ -218,9 +218,12 @@ def summary_by_model(rows: list[dict]) -> str:
     parts = []
     if zoo_rows:
         redo = [f"`{r['zoo']}` {r['defense']}" for r in zoo_rows if stale(r)]
+        resumed = [f"`{r['zoo']}` {r['defense']}" for r in zoo_rows if r.get("resumed")]
         parts.append("# Zoo models (`" + "`, `".join(sorted({r["zoo"] for r in zoo_rows})) + "`)\n\n"
                      + ("**Being redone:** " + ", ".join(redo) + " (made with other parameters than their cells' "
                         "now; counted below until their reruns replace them).\n\n" if redo else "")
+                     + ("**Resumed after a kill:** " + ", ".join(resumed) + " (each row's `resumed` in the JSON "
+                        "names where its loops took up, on what CPU and code).\n\n" if resumed else "")
                      + summary_markdown(zoo_rows))
     if old:
         parts.append("# Earlier rows: 4-epoch `quick` models trained before the zoo existed\n\n"

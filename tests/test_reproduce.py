@@ -233,3 +233,7 @@ def test_defence_rows_made_with_another_budget_are_redone():
     redo = dc.summary_by_model(rows).split("**Being redone:** ")[1].split("\n")[0]
     assert redo.startswith("`cifar10/badnets` abl (") and "pbe" not in redo
     assert "Being redone" not in dc.summary_by_model(rows[1:])
+    # and the rows a killed run resumed
+    assert "Resumed after a kill" not in dc.summary_by_model(rows)
+    rows[1]["resumed"] = [{"stage": 1, "epochs_done": 2, "epochs": 5}]
+    assert dc.summary_by_model(rows).split("**Resumed after a kill:** ")[1].startswith("`cifar10/badnets` pbe (")
