@@ -2,7 +2,7 @@
 
 A command (``pbe train | attack | erase | defend``) never writes into ``--out`` itself. It writes into a
 staging folder beside it (``.NAME.partial``, which names the run it stages; the resumable states of a
-training and of a defence live there too, taken up by a rerun of the same run, --overwrite or not), writes
+training and of a defence live there too, taken up by a rerun of the same run by the same code), writes
 ``manifest.json`` last (the run's identity and the sha256 of every file), and then swaps the staging
 folder into place with two renames (``out -> .NAME.old``, ``.NAME.partial -> out``). A kill at any
 moment therefore leaves the old unit or the new one: the next command on that ``--out`` first calls
@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from pbe.utils import PBEError, write_boundary, write_json
+from pbe.utils import PBEError, code_fingerprint, write_boundary, write_json
 
 MANIFEST = "manifest.json"
 STAGED = ".staged.json"  # in a staging folder: the run it stages (removed when the unit is committed)
@@ -44,9 +44,11 @@ def staging(out: str | os.PathLike) -> Path:
 
 def stage_for(out: str | os.PathLike, run: dict, replace: bool) -> Path:
     """The staging folder of `out`, made for `run`. One that an interrupted command left is kept when it
-    staged the same run, its code version aside (the states in it resume, each checking its own run);
+    staged the same run with the same code (``code_fingerprint``; the states in it resume, each checking
+    its own run);
     one of another run is removed when `replace` (--overwrite) is given, and refused otherwise."""
-    stage, key = staging(out), {k: v for k, v in run.items() if k != "toolkit_version"}
+    stage = staging(out)
+    key = {**{k: v for k, v in run.items() if k != "toolkit_version"}, "code": code_fingerprint()}
     held = _staged(stage) if stage.exists() else key
     if held is not None and held != key:
         if not replace:

@@ -202,7 +202,7 @@ def train(model: nn.Module, train_set: ImageDataset, test_set: ImageDataset | No
     run = None
     if state_path is not None:
         state_path = Path(state_path)
-        run = {"recipe": asdict(recipe), "seed": int(seed), "data": data_fingerprint(train_set)}
+        run = _state_run(recipe, seed, train_set)
         if state_path.exists():
             first, step, history, elapsed = _resume(state_path, run, model, opt, gen, hook)
             start -= elapsed
@@ -253,6 +253,20 @@ def train(model: nn.Module, train_set: ImageDataset, test_set: ImageDataset | No
     bar.close()
     model.eval()
     return history
+
+
+def _state_run(recipe: Recipe, seed: int, train_set: ImageDataset) -> dict:
+    """What names a training state's run: recipe, seed and data."""
+    return {"recipe": asdict(recipe), "seed": int(seed), "data": data_fingerprint(train_set)}
+
+
+def state_matches(path, recipe: str | Recipe, seed: int, train_set: ImageDataset, **overrides) -> bool:
+    """Whether `path` holds a readable training state that ``train`` with these arguments would resume."""
+    try:
+        return load_state(path).get("run") == json.loads(json.dumps(_state_run(get_recipe(recipe, **overrides),
+                                                                                seed, train_set)))
+    except PBEError:
+        return False
 
 
 def _checkpoint(path: Path, run: dict, model, opt, gen, hook, epoch: int, step: int, history: list,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import hashlib
 import json
 import os
 import platform
@@ -189,6 +191,20 @@ def parse_params(items: list[str] | None) -> dict:
         except json.JSONDecodeError:
             params[key] = value
     return params
+
+
+@functools.lru_cache(maxsize=None)
+def code_fingerprint() -> str:
+    """sha256 (16 hex digits) of the library's source, every ``.py`` file of ``pbe/`` and ``attacks/``,
+    read once per process: a resumable state is taken up only by the code that wrote it (commits that
+    change no code keep it)."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for package in ("pbe", "attacks"):
+        for path in sorted((root / package).rglob("*.py")):
+            h.update(path.relative_to(root).as_posix().encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def toolkit_version() -> str:

@@ -304,5 +304,29 @@ def test_an_interrupted_call_resumes_to_the_uninterrupted_result(name, extra, ba
         assert resumed.report["resumed"], n
         assert measured(resumed.report) == measured(whole.report), n
         assert all(torch.equal(v, resumed.model.state_dict()[k]) for k, v in whole.model.state_dict().items()), n
-    with pytest.raises(PBEError, match="another defence call"):
-        call(tmp_path / "whole", seed=1)
+    other = call(tmp_path / "whole", seed=1)  # another call's state is discarded, not taken up
+    assert "resumed" not in other.report and '"seed": 1' in (tmp_path / "whole" / "call.json").read_text()
+
+
+def test_a_stage_loads_only_its_own_loops_state(tmp_path):
+    """A loop given other data than its state's starts over, and every later loop with it (their states
+    followed from the other data); an unreadable state is no state."""
+    from pbe.defenses.base import Context, Stage
+    a, b = torch.zeros(4, dtype=torch.uint8), torch.ones(4, dtype=torch.uint8)
+
+    def loops(first, second, write):
+        ctx = Context(torch.device("cpu"), torch.Generator().manual_seed(0), 0, False, state_dir=tmp_path)
+        stages = [Stage(ctx, 3, data=first, tensors={"x": torch.zeros(2)}),
+                  Stage(ctx, 3, data=second, tensors={"x": torch.zeros(2)})]
+        for s in stages:
+            if write:
+                s.tensors["x"] += 1
+                s.done(3)
+        return [s.first for s in stages], ctx
+    assert loops(a, a, write=True)[0] == [0, 0]
+    assert loops(a, a, write=False)[0] == [3, 3]
+    assert loops(a, b, write=False)[0] == [3, 0]  # the second loop's data changed
+    firsts, ctx = loops(b, a, write=False)
+    assert firsts == [0, 0] and not ctx.replaying  # the first changed: the second's state no longer follows
+    (tmp_path / "stage1.safetensors").write_bytes(b"cut short")
+    assert loops(a, a, write=False)[0] == [0, 0]

@@ -156,3 +156,18 @@ def test_a_killed_defence_resumes_its_staged_state(attacked, driver, tmp_path):
     assert run("--seed", "1", out=other) == 2 and "--overwrite" in (tmp_path / "stderr").read_text()
     assert run("--seed", "1", "--overwrite", out=other) == 0
     assert "resumed" not in json.loads((other / "report.json").read_text())
+
+
+def test_a_staged_run_resumes_only_with_its_own_code(tmp_path, monkeypatch):
+    """The staging folder is kept for the same run by the same code (a new commit that changes no code
+    keeps it); after a code change it is refused, or discarded with --overwrite."""
+    out = tmp_path / "out"
+    stage = rundir.stage_for(out, {"seed": 0, "toolkit_version": "0.1.0+gaaaa"}, replace=False)
+    (stage / "state").mkdir()
+    assert rundir.stage_for(out, {"seed": 0, "toolkit_version": "0.1.0+gbbbb"}, replace=True) == stage
+    assert (stage / "state").is_dir()
+    monkeypatch.setattr(rundir, "code_fingerprint", lambda: "other code")
+    with pytest.raises(PBEError, match="--overwrite"):
+        rundir.stage_for(out, {"seed": 0}, replace=False)
+    rundir.stage_for(out, {"seed": 0}, replace=True)
+    assert not (stage / "state").exists()

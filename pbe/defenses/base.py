@@ -15,6 +15,7 @@ import hashlib
 import inspect
 import json
 import math
+import shutil
 import time
 import types
 import typing
@@ -32,8 +33,8 @@ from pbe.checkpoint import load_state, save_state
 from pbe.data import ImageDataset, augment
 from pbe.metrics import der, evaluate, ranking_quality
 from pbe.train import batches, data_fingerprint, lr_factor, rng_state, set_rng_state
-from pbe.utils import (PBEError, hardware_string, json_safe, resolve_device, seed_everything, toolkit_version,
-                       use_all_cpus, write_json)
+from pbe.utils import (PBEError, code_fingerprint, hardware_string, json_safe, resolve_device, seed_everything,
+                       toolkit_version, use_all_cpus, write_json)
 
 SETTINGS = ("clean-extra", "no-clean")
 
@@ -86,6 +87,7 @@ class Context:
     start: float = field(default_factory=time.time)  # moved back by a resumed stage's elapsed time
     stages: int = 0  # the call's Stages so far (each one's number)
     resumed: list = field(default_factory=list)  # where each resumed stage took up
+    replaying: bool = True  # every Stage so far ended as its state did: a later one may load its own
 
 
 class Stage:
@@ -110,8 +112,9 @@ class Stage:
         ...     stage.done(epoch + 1)
     """
 
-    def __init__(self, ctx: Context, epochs: int, *, model: nn.Module | None = None, optimizer=None,
-                 scheduler=None, tensors: dict[str, torch.Tensor] | None = None, resumable: bool = True):
+    def __init__(self, ctx: Context, epochs: int, *, data: ImageDataset | torch.Tensor | None = None,
+                 model: nn.Module | None = None, optimizer=None, scheduler=None,
+                 tensors: dict[str, torch.Tensor] | None = None, resumable: bool = True):
         ctx.stages += 1
         self.ctx, self.epochs, self.first, self.log = ctx, epochs, 0, []
         self.parts = {k: v for k, v in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler))
@@ -119,10 +122,28 @@ class Stage:
         self.tensors = tensors or {}
         self.path = (ctx.state_dir / f"stage{ctx.stages}.safetensors"
                      if ctx.state_dir is not None and resumable else None)
-        self.origin = ({"hardware": hardware_string(), "toolkit_version": toolkit_version()}
-                       if self.path is not None else {})  # who writes the states
-        if self.path is not None and self.path.exists():
-            self._load(load_state(self.path))
+        if self.path is None:
+            ctx.replaying = False  # this loop runs whole again: what follows may differ from the states
+            return
+        # which loop a state belongs to: its number, length and data (a loop given other data starts over)
+        self.loop = {"stage": ctx.stages, "epochs": epochs, "data": None if data is None else (
+            data_fingerprint(data) if isinstance(data, ImageDataset) else tensor_fingerprint(data))}
+        self.origin = {"hardware": hardware_string(), "toolkit_version": toolkit_version()}  # who writes
+        state = self._read() if ctx.replaying else None
+        if state is None:
+            ctx.replaying = False  # this loop starts over, so every later one does too
+        else:
+            self._load(state)
+
+    def _read(self) -> dict | None:
+        """This loop's state, or None (none, unreadable, or another loop's)."""
+        if not self.path.exists():
+            return None
+        try:
+            state = load_state(self.path)
+        except PBEError:
+            return None
+        return state if state.get("loop") == json_safe(self.loop) else None
 
     def _load(self, state: dict) -> None:
         for key, part in self.parts.items():
@@ -134,44 +155,48 @@ class Stage:
         self.ctx.start = time.time() - state["elapsed_s"]
         self.first, self.log = state["epoch"], state["log"]
         self.ctx.resumed.append({"stage": self.ctx.stages, "epochs_done": self.first, "epochs": self.epochs,
-                                 "written_on": state["hardware"], "toolkit_version": state["toolkit_version"]})
+                                 "written_on": state.get("hardware"), "toolkit_version": state.get("toolkit_version")})
 
     def done(self, epoch: int) -> None:
         """Record that `epoch` epochs are done (a no-op without a state folder)."""
         if self.path is None:
             return
-        save_state(self.path, {"epoch": epoch, "log": self.log, "rng": rng_state(self.ctx.gen),
+        save_state(self.path, {"loop": self.loop, "epoch": epoch, "log": self.log, "rng": rng_state(self.ctx.gen),
                                "cost": [self.ctx.cost.forward_backward, self.ctx.cost.forward],
                                "elapsed_s": time.time() - self.ctx.start, "tensors": self.tensors,
                                **self.origin,
                                **{key: part.state_dict() for key, part in self.parts.items()}})
 
 
-def model_fingerprint(model: nn.Module) -> str:
-    """sha256 of a model's parameters and buffers (which model a defence's state belongs to)."""
+def tensor_fingerprint(*tensors: torch.Tensor) -> str:
+    """sha256 of tensors' bytes (which data or model a defence's state belongs to)."""
     h = hashlib.sha256()
-    for key, value in model.state_dict().items():
-        h.update(key.encode())
-        h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
+def model_fingerprint(model: nn.Module) -> str:
+    """sha256 of a model's parameter and buffer names and values."""
+    state = model.state_dict()
+    return tensor_fingerprint(*state.values()) + hashlib.sha256(" ".join(state).encode()).hexdigest()[:16]
+
+
 def claim_state_dir(state_dir, identity: dict) -> Path:
-    """Make `state_dir` this call's: create it and write the call's identity, or check that the state
-    there is this call's (the same defence, parameters, seed, model and data)."""
+    """Make `state_dir` this call's: create it and write the call's identity (defence, parameters, seed,
+    model, data and code). States there of another call (or unreadable) are discarded: this call starts
+    over and writes its own."""
     folder = Path(state_dir)
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / STATE_IDENTITY
     identity = json_safe(identity)
-    if path.exists():
-        try:
-            held = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            held = None
-        if held != identity:
-            raise PBEError(f"{folder} holds the state of another defence call (other defence, parameters, seed, "
-                           "model or data); delete it, or pass another state_dir")
-    else:
+    try:
+        held = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        held = None
+    if held != identity:
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
         write_json(path, identity)
     return folder
 
@@ -274,7 +299,8 @@ class Defense(ABC):
         """Defend `model` with `data` (the clean extra set or the poisoned training set, by setting).
         `train_size` (the full training set's size) is the unit of the reported epoch-equivalents.
         `state_dir`: a folder where the long loops keep their state, so that a call interrupted there
-        resumes when called again the same way (see `Stage`; the report's ``resumed`` says where)."""
+        resumes when called again the same way, by the same code (see `Stage`; the report's ``resumed``
+        says where); a state there of another call is discarded."""
         if not isinstance(data, ImageDataset) or len(data) == 0:
             raise PBEError(f"{self.name} needs a non-empty ImageDataset "
                            f"({'the clean extra set' if self.setting == 'clean-extra' else 'the training set'})")
@@ -285,7 +311,7 @@ class Defense(ABC):
         if state_dir is not None:
             ctx.state_dir = claim_state_dir(state_dir, {
                 "defense": self.name, "params": self.params, "seed": seed, "model": model_fingerprint(model),
-                "data": data_fingerprint(data)})
+                "data": data_fingerprint(data), "code": code_fingerprint()})
         model = copy.deepcopy(model).to(dev).eval()
         before = measure(model, evaluation)
         model, report, suspected = self._defend(model, data, ctx)
@@ -338,7 +364,7 @@ def sgd_finetune(model: nn.Module, data: ImageDataset, ctx: Context, *, epochs: 
         raise PBEError(f"lr_schedule must be 'cosine' or 'constant', got {lr_schedule!r}")
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: lr_factor(e, epochs, lr_schedule))
-    stage = Stage(ctx, epochs, model=model, optimizer=opt, scheduler=scheduler,
+    stage = Stage(ctx, epochs, data=data, model=model, optimizer=opt, scheduler=scheduler,
                   resumable=on_epoch is None and transform is None and after_step is None)
     per_epoch = math.ceil(len(data) / batch_size)
     bar = tqdm(total=epochs * per_epoch, initial=stage.first * per_epoch, desc=desc, disable=not ctx.progress,

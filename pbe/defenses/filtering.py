@@ -13,6 +13,7 @@ from abc import abstractmethod
 import torch
 import torch.nn as nn
 
+from pbe.checkpoint import load_state
 from pbe.data import ImageDataset
 from pbe.defenses.base import Context, Defense, fresh_copy
 from pbe.utils import PBEError
@@ -39,7 +40,7 @@ class FilteringDefense(Defense):
         what the report should say about how they were flagged."""
 
     def _defend(self, model, data: ImageDataset, ctx: Context):
-        from pbe.train import get_recipe, train
+        from pbe.train import get_recipe, state_matches, train
         scores, flagged, info = self.score_and_flag(model, data, ctx)
         if scores.shape != (len(data),) or flagged.shape != (len(data),):
             raise PBEError(f"{self.name}: scores/flags must have one entry per training sample")
@@ -53,13 +54,18 @@ class FilteringDefense(Defense):
             raise PBEError(f"{self.name} flagged every training sample; nothing is left to retrain on")
         recipe = get_recipe(self.params["retrain"], epochs=self.params["retrain_epochs"])
         retrained = fresh_copy(model, ctx.seed)
+        kept = data.subset(keep)
         state = None if ctx.state_dir is None else ctx.state_dir / RETRAIN_STATE  # resumable, as a Stage
-        resumed, start = state is not None and state.exists(), time.time()
-        history = train(retrained, data.subset(keep), None, recipe, seed=ctx.seed, device=ctx.device,
-                        progress=ctx.progress, state_path=state)
-        if resumed:  # the wall time counts the retrain's epochs made before the interruption too
+        if state is not None and state.exists() and not (ctx.replaying and state_matches(state, recipe, ctx.seed,
+                                                                                           kept)):
+            state.unlink()  # the retrain of other kept samples (or after a loop that started over)
+        done = load_state(state)["epoch"] if state is not None and state.exists() else 0
+        start = time.time()
+        history = train(retrained, kept, None, recipe, seed=ctx.seed, device=ctx.device, progress=ctx.progress,
+                        state_path=state)
+        if done:  # the wall time counts the retrain's epochs made before the interruption too
             ctx.start -= history[-1]["elapsed_s"] - (time.time() - start)
-            ctx.resumed.append({"stage": "retrain", "epochs": recipe.epochs})
+            ctx.resumed.append({"stage": "retrain", "epochs_done": done, "epochs": recipe.epochs})
         ctx.cost.forward_backward += recipe.epochs * len(keep)
         report["retrain"] = {"recipe": self.params["retrain"], "epochs": recipe.epochs, "log": history}
         return retrained, report, suspected

@@ -122,7 +122,7 @@ class SAU(Defense):
         ref = copy.deepcopy(model).eval().requires_grad_(False)
         opt = torch.optim.Adam(model.parameters(), lr=p["lr"], weight_decay=0.0, amsgrad=True)
         model.eval()
-        stage = Stage(ctx, p["epochs"], model=model, optimizer=opt)
+        stage = Stage(ctx, p["epochs"], data=data, model=model, optimizer=opt)
         for epoch in range(stage.first, p["epochs"]):
             shared_total, potential_total = 0, 0
             for idx in batches(len(data), p["batch_size"], ctx.gen):

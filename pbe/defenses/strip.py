@@ -29,7 +29,7 @@ def overlay_entropy(model, images: torch.Tensor, pool: torch.Tensor, n: int, ctx
     model.eval()
     out = torch.zeros(len(images))
     starts = range(0, len(images), batch_size)
-    stage = Stage(ctx, len(starts), tensors={"entropy": out})
+    stage = Stage(ctx, len(starts), data=images, tensors={"entropy": out})
     for i in tqdm(range(stage.first, len(starts)), desc="STRIP", disable=not ctx.progress, leave=False):
         x = images[starts[i]:starts[i] + batch_size].to(ctx.device).float().div_(255)
         total = torch.zeros(len(x), device=ctx.device)
