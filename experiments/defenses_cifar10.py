@@ -1,6 +1,8 @@
 """Every defence side by side on the infected CIFAR-10 zoo models (dev set by default)
 -> experiments/results/defenses_cifar10.{json,md}. Resumable: cells with a row measured on the
-committed zoo model (its sha256) are skipped; a zoo model not built yet is reported and skipped.
+committed zoo model (its sha256) are skipped; a zoo model not built yet is reported and skipped; a cell
+killed mid-way takes up its staged state when rerun by the same code (``pbe defend``'s resumable stages),
+so a published-budget cell longer than a session finishes over several.
 Rows made before the zoo existed (4-epoch `quick` models, no "zoo" key) stay in the table.
 
     python experiments/defenses_cifar10.py [--set dev] [--only badnets blend] [--defenses ft nad]
