@@ -45,8 +45,7 @@ def staging(out: str | os.PathLike) -> Path:
 def stage_for(out: str | os.PathLike, run: dict, replace: bool) -> Path:
     """The staging folder of `out`, made for `run`. One that an interrupted command left is kept when it
     staged the same run with the same code (``code_fingerprint``; the states in it resume, each checking
-    its own run);
-    one of another run is removed when `replace` (--overwrite) is given, and refused otherwise."""
+    its own run); one of another run is removed when `replace` (--overwrite) is given, and refused otherwise."""
     stage = staging(out)
     key = {**{k: v for k, v in run.items() if k != "toolkit_version"}, "code": code_fingerprint()}
     held = _staged(stage) if stage.exists() else key

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from pbe.data import ImageDataset, augment
 from pbe.metrics import accuracy, predict
 from pbe.checkpoint import load_state, save_state
-from pbe.utils import PBEError, atomic_path, resolve_device, seed_everything, use_all_cpus
+from pbe.utils import PBEError, atomic_path, json_safe, resolve_device, seed_everything, use_all_cpus
 
 
 LR_SCHEDULES = ("onecycle", "cosine", "constant")
@@ -119,12 +119,17 @@ class TrainHook(Protocol):
     # the hook's own tensors, optimiser and random-generator state across a restart.
 
 
+def tensor_fingerprint(*tensors: torch.Tensor) -> str:
+    """sha256 of tensors' bytes, one after the other (which data or model a resumable state belongs to)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def data_fingerprint(dataset: ImageDataset) -> str:
     """sha256 of a dataset's images and labels (which run a training state belongs to)."""
-    h = hashlib.sha256()
-    h.update(dataset.images.numpy().tobytes())
-    h.update(dataset.labels.numpy().tobytes())
-    return h.hexdigest()
+    return tensor_fingerprint(dataset.images, dataset.labels)
 
 
 def rng_state(gen: torch.Generator) -> dict:
@@ -260,13 +265,14 @@ def _state_run(recipe: Recipe, seed: int, train_set: ImageDataset) -> dict:
     return {"recipe": asdict(recipe), "seed": int(seed), "data": data_fingerprint(train_set)}
 
 
-def state_matches(path, recipe: str | Recipe, seed: int, train_set: ImageDataset, **overrides) -> bool:
-    """Whether `path` holds a readable training state that ``train`` with these arguments would resume."""
+def resumable_epochs(path, recipe: str | Recipe, seed: int, train_set: ImageDataset) -> int:
+    """The epochs done in `path`'s training state when ``train`` with these arguments would resume it; 0
+    when there is none, it is unreadable, or it is another run's."""
     try:
-        return load_state(path).get("run") == json.loads(json.dumps(_state_run(get_recipe(recipe, **overrides),
-                                                                                seed, train_set)))
-    except PBEError:
-        return False
+        state = load_state(path)
+    except PBEError:  # none, or unreadable
+        return 0
+    return state["epoch"] if state.get("run") == json_safe(_state_run(get_recipe(recipe), seed, train_set)) else 0
 
 
 def _checkpoint(path: Path, run: dict, model, opt, gen, hook, epoch: int, step: int, history: list,
@@ -280,7 +286,7 @@ def _checkpoint(path: Path, run: dict, model, opt, gen, hook, epoch: int, step: 
 
 def _resume(path: Path, run: dict, model, opt, gen, hook) -> tuple[int, int, list, float]:
     state = load_state(path)
-    if state.get("run") != json.loads(json.dumps(run)):
+    if state.get("run") != json_safe(run):
         raise PBEError(f"{path} holds the training state of another run (other recipe, seed or data); "
                        "delete it, or use another output folder")
     model.load_state_dict(state["model"])

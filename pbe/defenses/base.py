@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from pbe.checkpoint import load_state, save_state
 from pbe.data import ImageDataset, augment
 from pbe.metrics import der, evaluate, ranking_quality
-from pbe.train import batches, data_fingerprint, lr_factor, rng_state, set_rng_state
+from pbe.train import batches, data_fingerprint, lr_factor, rng_state, set_rng_state, tensor_fingerprint
 from pbe.utils import (PBEError, code_fingerprint, hardware_string, json_safe, resolve_device, seed_everything,
                        toolkit_version, use_all_cpus, write_json)
 
@@ -166,14 +166,6 @@ class Stage:
                                "elapsed_s": time.time() - self.ctx.start, "tensors": self.tensors,
                                **self.origin,
                                **{key: part.state_dict() for key, part in self.parts.items()}})
-
-
-def tensor_fingerprint(*tensors: torch.Tensor) -> str:
-    """sha256 of tensors' bytes (which data or model a defence's state belongs to)."""
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def model_fingerprint(model: nn.Module) -> str:

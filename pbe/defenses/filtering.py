@@ -13,7 +13,6 @@ from abc import abstractmethod
 import torch
 import torch.nn as nn
 
-from pbe.checkpoint import load_state
 from pbe.data import ImageDataset
 from pbe.defenses.base import Context, Defense, fresh_copy
 from pbe.utils import PBEError
@@ -40,7 +39,7 @@ class FilteringDefense(Defense):
         what the report should say about how they were flagged."""
 
     def _defend(self, model, data: ImageDataset, ctx: Context):
-        from pbe.train import get_recipe, state_matches, train
+        from pbe.train import get_recipe, resumable_epochs, train
         scores, flagged, info = self.score_and_flag(model, data, ctx)
         if scores.shape != (len(data),) or flagged.shape != (len(data),):
             raise PBEError(f"{self.name}: scores/flags must have one entry per training sample")
@@ -56,10 +55,9 @@ class FilteringDefense(Defense):
         retrained = fresh_copy(model, ctx.seed)
         kept = data.subset(keep)
         state = None if ctx.state_dir is None else ctx.state_dir / RETRAIN_STATE  # resumable, as a Stage
-        if state is not None and state.exists() and not (ctx.replaying and state_matches(state, recipe, ctx.seed,
-                                                                                           kept)):
-            state.unlink()  # the retrain of other kept samples (or after a loop that started over)
-        done = load_state(state)["epoch"] if state is not None and state.exists() else 0
+        done = resumable_epochs(state, recipe, ctx.seed, kept) if state is not None and ctx.replaying else 0
+        if state is not None and not done:
+            state.unlink(missing_ok=True)  # the retrain of other kept samples (or after a loop that started over)
         start = time.time()
         history = train(retrained, kept, None, recipe, seed=ctx.seed, device=ctx.device, progress=ctx.progress,
                         state_path=state)
