@@ -266,13 +266,41 @@ def copy_pbe_row(cell: dict) -> dict | None:
     return None
 
 
+def budget_effect_markdown(rows: list[dict], cpu_rows: list[dict] | None = None) -> str:
+    """The cut's effect: each published-budget row (`rows`) beside the CPU-budget row of the same zoo model
+    and defence (`cpu_rows`, default the CPU table's), with the parameters that differ and the change in
+    ACC and ASR after."""
+    cpu_rows = results_table().rows if cpu_rows is None else cpu_rows
+    cpu = {(r["zoo"], r["defense"]): r for r in cpu_rows if r.get("zoo") and r.get("budget") == "cpu"}
+    pairs = [(cpu[key], r) for r in rows if (key := (r.get("zoo"), r["defense"])) in cpu]
+    if not pairs:
+        return ""
+    lines = ["## The cut's effect: each published-budget row beside its CPU-budget row", "",
+             "Same zoo model, defence, seed and data; only the budget differs (the parameters listed, CPU -> "
+             "published). ACC / ASR after in %; a negative change in ASR means the published budget removes more.",
+             "", "| zoo | defense | budget (CPU -> published) | CPU ACC / ASR (epoch-eq.) | published ACC / ASR "
+             "(epoch-eq.) | change ACC / ASR |", "|---|---|---|---|---|---|"]
+    for c, p in pairs:
+        budget = ", ".join(f"{k} {c['params'][k]} -> {v}" for k, v in p["params"].items()
+                           if c["params"].get(k) != v) or "same"
+        after = [f"{100 * r['acc']:.2f} / {100 * r['asr']:.2f} ({r['epoch_equivalents']:.2f})" for r in (c, p)]
+        lines.append(f"| {p['zoo']} | {p['defense']} | {budget} | {after[0]} | {after[1]} | "
+                     f"{100 * (p['acc'] - c['acc']):+.2f} / {100 * (p['asr'] - c['asr']):+.2f} |")
+    return "\n".join(lines)
+
+
+def paper_summary(rows: list[dict]) -> str:
+    """The published-budget table's footer: the cut's effect first, then the usual summaries."""
+    return "\n\n".join(part for part in (budget_effect_markdown(rows), summary_by_model(rows)) if part)
+
+
 def results_table(cfg: dict | None = None) -> DefencesTable:
     """This script's table (``experiments/render.py`` re-renders it); the published budgets' rows
     (``paper_budget``) have a table of their own, so that the CPU rows and they are two cells each."""
     if cfg and cfg.get("paper_budget"):
         return DefencesTable(RESULTS / "defenses_cifar10_paper", "Defences at their published budgets on infected "
                             "CIFAR-10 models", "python experiments/defenses_cifar10.py --paper-budget",
-                            footer=summary_by_model)
+                            footer=paper_summary)
     return DefencesTable(RESULTS / "defenses_cifar10", "Defences side by side on infected CIFAR-10 models",
                         "python experiments/defenses_cifar10.py", footer=summary_by_model)
 

@@ -207,6 +207,24 @@ def test_published_budget_estimate_scales_with_what_the_cpu_budget_cuts():
         assert dc.published_estimate(3.0, name, "cpu") == 3.0
 
 
+def test_published_budget_rows_are_set_beside_their_cpu_rows():
+    """The published-budget table shows the cut's effect: each of its rows beside the CPU row of the same zoo
+    model and defence, with the parameters that differ and the change after; a row without a CPU
+    counterpart (or a CPU row of another model) is left out, and nothing is printed without a pair."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    import defenses_cifar10 as dc
+
+    def row(zoo, budget, epochs, acc, asr, ee):
+        return {"zoo": zoo, "defense": "ft", "budget": budget, "acc": acc, "asr": asr, "epoch_equivalents": ee,
+                "params": {"epochs": epochs, "lr": 0.01}}
+    cpu = [row("cifar10/badnets", "cpu", 20, 0.8341, 0.9998, 1.0), row("cifar10/wanet", "cpu", 20, 0.8, 0.5, 1.0)]
+    paper = [row("cifar10/badnets", "paper", 100, 0.8202, 0.9432, 5.0), row("cifar10/blend", "paper", 100, 0.8, 1, 5)]
+    md = dc.budget_effect_markdown(paper, cpu)
+    assert ("| cifar10/badnets | ft | epochs 20 -> 100 | 83.41 / 99.98 (1.00) | 82.02 / 94.32 (5.00) | "
+            "-1.39 / -5.66 |") in md
+    assert "blend" not in md and "wanet" not in md and dc.budget_effect_markdown(paper[1:], cpu) == ""
+
+
 def test_defence_rows_made_with_another_budget_are_redone():
     """A CPU-budget row whose parameters differ from what its cell would run now (ABL's unlearning was cut
     to 3 epochs before it kept its default) is stale, so the driver reruns it; a row at the current
