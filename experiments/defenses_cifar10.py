@@ -281,8 +281,8 @@ def budget_effect_markdown(rows: list[dict], cpu_rows: list[dict] | None = None)
              "", "| zoo | defense | budget (CPU -> published) | CPU ACC / ASR (epoch-eq.) | published ACC / ASR "
              "(epoch-eq.) | change ACC / ASR |", "|---|---|---|---|---|---|"]
     for c, p in pairs:
-        budget = ", ".join(f"{k} {c['params'][k]} -> {v}" for k, v in p["params"].items()
-                           if c["params"].get(k) != v) or "same"
+        budget = ", ".join(f"{k} {c['params'].get(k, '–')} -> {v}" for k, v in p["params"].items()
+                           if c["params"].get(k) != v) or "same"  # '–': a parameter the CPU row predates
         after = [f"{100 * r['acc']:.2f} / {100 * r['asr']:.2f} ({r['epoch_equivalents']:.2f})" for r in (c, p)]
         lines.append(f"| {p['zoo']} | {p['defense']} | {budget} | {after[0]} | {after[1]} | "
                      f"{100 * (p['acc'] - c['acc']):+.2f} / {100 * (p['asr'] - c['asr']):+.2f} |")
