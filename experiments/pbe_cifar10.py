@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from common import RESULTS, ROOT, RUNS, DefenceTable, built_zoo_models, data_args, defence_row, zoo_cell
+from common import (RESULTS, ROOT, RUNS, DefenceTable, built_zoo_models, data_args, defence_name, defence_row,
+                    zoo_cell)
 from common import run_cell as run_command
 from grid import Cell, execute, median_cost
 
@@ -23,7 +24,9 @@ from pbe.defenses.pbe import DEFAULT_SCHEDULE
 CONFIG = {"set": "dev", "dataset": "cifar10", "only": None, "schedules": [DEFAULT_SCHEDULE], "aft": True, "seeds": [0],
           "given_target": False}  # given_target: PBE is told the zoo model's target (`pbe erase --target`), as
 #                                   a defender is who ran `pbe detect` first; rows carry given_target: true
-DEFAULT_ESTIMATE = 3.0  # epoch-equivalents of a cell whose schedule has no row yet (the cost goal of PBE.md)
+# the goal a row meets when PBE erases the backdoor: ASR after, ACC points lost, epoch-equivalents spent
+GOAL_ASR, GOAL_ACC_DROP, GOAL_EE = 0.03, 0.03, 3.0
+DEFAULT_ESTIMATE = GOAL_EE  # epoch-equivalents of a cell whose schedule has no row yet
 AFT_CLEAN_FRACTION = 0.05
 
 
@@ -31,7 +34,43 @@ def results_table(cfg: dict | None = None) -> DefenceTable:
     """This script's table for a config's dataset (``experiments/render.py`` re-renders it)."""
     dataset = (cfg or CONFIG)["dataset"]
     return DefenceTable(RESULTS / f"pbe_{dataset}", f"PBE and AFT on infected {dataset} zoo models",
-                        f"python experiments/pbe_cifar10.py --dataset {dataset}")
+                        f"python experiments/pbe_cifar10.py --dataset {dataset}", footer=set_means_markdown)
+
+
+def meets_goal(r: dict) -> bool:
+    return (r["asr"] <= GOAL_ASR and r["acc_before"] - r["acc"] <= GOAL_ACC_DROP
+            and r["epoch_equivalents"] <= GOAL_EE)
+
+
+def set_means_markdown(rows: list[dict]) -> str:
+    """Per zoo set and schedule (the latest of each zoo model's rows, target not given): how many models
+    meet the goal, and the means of ACC drop, ASR after and epoch-equivalents, also without the model of
+    the highest ASR after, so that one model's failure is seen apart from the rest."""
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("zoo") and not r.get("given_target"):
+            groups.setdefault((r.get("zoo_set") or "–", defence_name(r)), {})[r["zoo"]] = r  # a rerun replaces
+    if not groups:
+        return ""
+    lines = ["## Means per zoo set and schedule", "",
+             f"Goal: ASR after <= {100 * GOAL_ASR:g} %, at most {100 * GOAL_ACC_DROP:g} ACC points lost and "
+             f"<= {GOAL_EE:g} epoch-equivalents. ACC drop and ASR in points / %; the last column leaves out the "
+             "model with the highest ASR after.", "",
+             "| set | schedule | models | goal met | ACC drop | ASR after | epoch-eq. | ASR after without the worst |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def mean(rs, f):
+        return sum(f(r) for r in rs) / len(rs)
+    for (zoo_set, name), by_model in sorted(groups.items()):
+        rs = list(by_model.values())
+        worst = max(rs, key=lambda r: r["asr"])
+        rest = [r for r in rs if r is not worst]
+        without = f"{100 * mean(rest, lambda r: r['asr']):.2f} (without `{worst['zoo']}`)" if rest else "–"
+        lines.append(f"| {zoo_set} | {name} | {len(rs)} | {sum(map(meets_goal, rs))} of {len(rs)} | "
+                     f"{100 * mean(rs, lambda r: r['acc_before'] - r['acc']):.2f} | "
+                     f"{100 * mean(rs, lambda r: r['asr']):.2f} | {mean(rs, lambda r: r['epoch_equivalents']):.2f} | "
+                     f"{without} |")
+    return "\n".join(lines)
 
 
 def cells(cfg: dict) -> list[Cell]:
