@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from common import RESULTS
+from grid import script_main
 from pbe import checkpoint, data, zoo
 from pbe.cli.defend import _poisoned_from
 from pbe.defenses.abl import ascent, traced_epoch
@@ -107,4 +108,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from common import RESULTS, TrainedTable, zoo_cell, zoo_models
-from grid import Cell, execute
+from grid import Cell, execute, script_main
 
 from pbe import zoo
 
@@ -78,4 +78,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

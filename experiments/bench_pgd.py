@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 
 import torch
+from grid import script_main
 
 from pbe import models
 from pbe.adversarial import PGDConfig, adversarial_examples, success_rate
@@ -50,4 +51,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

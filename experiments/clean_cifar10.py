@@ -10,7 +10,7 @@ import argparse
 
 from common import RESULTS, RUNS, TrainedTable, trained_row
 from common import run_cell as run_command
-from grid import Cell, execute
+from grid import Cell, execute, script_main
 
 
 
@@ -55,4 +55,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

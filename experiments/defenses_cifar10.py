@@ -28,7 +28,7 @@ from common import (
     HERE, RESULTS, ROOT, RUNS, DefenceTable, built_zoo_models, data_args, defence_name, defence_row, same_zoo_model,
     zoo_cell)
 from common import run_cell as run_command
-from grid import Cell, execute, median_cost
+from grid import Cell, execute, median_cost, script_main
 
 from pbe import defenses, zoo
 from pbe.train import get_recipe
@@ -388,4 +388,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

@@ -15,7 +15,7 @@ import time
 
 import torch
 from common import RESULTS, add_zoo_args, built_zoo_models, zoo_cell
-from grid import Cell, execute, median_cost
+from grid import Cell, execute, median_cost, script_main
 from sklearn.metrics import roc_auc_score
 
 from pbe import zoo
@@ -150,4 +150,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

@@ -13,7 +13,7 @@ import json
 
 from common import RESULTS, ROOT, RUNS, DefenceTable, defence_row
 from common import run_cell as run_command
-from grid import Cell, execute
+from grid import Cell, execute, script_main
 
 from pbe.defenses import REGISTRY
 
@@ -83,4 +83,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

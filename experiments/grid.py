@@ -56,6 +56,17 @@ def module(script: str):
     return importlib.import_module(script)
 
 
+def script_main(main) -> None:
+    """Run a script's `main()`: a PBEError (a bad config, option or zoo name) is one line on stderr naming the
+    problem and the fix, exit status 2, as the ``pbe`` command line reports it; never a traceback."""
+    try:
+        main()
+    except PBEError as err:
+        script = Path(sys.argv[0]).name
+        print(f"{script}: error: {'; '.join(s.strip() for s in str(err).splitlines() if s.strip())}", file=sys.stderr)
+        sys.exit(2)
+
+
 def load_config(path: str | Path) -> dict:
     """A YAML config: ``script`` (one of SCRIPTS) and that script's CONFIG keys; the rest default."""
     path = Path(path)

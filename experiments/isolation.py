@@ -16,7 +16,7 @@ import time
 
 import torch
 from common import RESULTS, add_zoo_args, built_zoo_models, zoo_cell
-from grid import Cell, execute, median_cost
+from grid import Cell, execute, median_cost, script_main
 
 from pbe import zoo
 from pbe.models import penultimate
@@ -122,4 +122,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

@@ -14,7 +14,7 @@ import argparse
 from dataclasses import replace
 
 from common import RESULTS, built_zoo_models, zoo_cell
-from grid import Cell, execute, median_cost
+from grid import Cell, execute, median_cost, script_main
 
 from pbe import zoo
 from pbe.adversarial import PGDConfig, UniversalConfig
@@ -308,4 +308,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

@@ -16,7 +16,7 @@ import json
 from common import (RESULTS, ROOT, RUNS, DefenceTable, built_zoo_models, data_args, defence_name, defence_row,
                     zoo_cell)
 from common import run_cell as run_command
-from grid import Cell, execute, median_cost
+from grid import Cell, execute, median_cost, script_main
 
 from pbe import zoo
 from pbe.defenses.pbe import DEFAULT_SCHEDULE
@@ -128,4 +128,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

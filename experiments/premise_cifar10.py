@@ -14,7 +14,7 @@ import time
 
 import torch
 from common import RESULTS, built_zoo_models, zoo_cell
-from grid import Cell, execute, median_cost
+from grid import Cell, execute, median_cost, script_main
 
 from pbe import models, zoo
 from pbe.activations import neuron_overlap, probe_indices
@@ -140,4 +140,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from grid import HERE, SCRIPTS, load_config, module
+from grid import HERE, SCRIPTS, load_config, module, script_main
 
 
 def tables() -> dict:
@@ -39,4 +39,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

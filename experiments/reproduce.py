@@ -18,7 +18,7 @@ import argparse
 
 import sys
 
-from grid import execute, load_config, verify
+from grid import execute, load_config, script_main, verify
 
 
 def main() -> None:
@@ -42,4 +42,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

@@ -15,7 +15,7 @@ import time
 
 import torch
 from common import RESULTS, built_zoo_models, zoo_cell
-from grid import Cell, execute, median_cost
+from grid import Cell, execute, median_cost, script_main
 
 from pbe import zoo
 from pbe.adversarial import UniversalConfig
@@ -109,4 +109,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

@@ -27,6 +27,22 @@ def one_thread():
         torch.set_num_threads(before)
 
 
+@pytest.fixture
+def cli_here(capsys):
+    """`pbe ARGS` run in this process, without starting an interpreter and importing torch again (seconds
+    per call): returns its exit code and what it wrote to stderr. For refusals and other short calls; a
+    run whose floats must not depend on this process's threads goes through a subprocess."""
+    from pbe.cli import main
+
+    def run(*argv) -> tuple[int, str]:
+        try:
+            rc = main([str(a) for a in argv])
+        except SystemExit as exit_:  # argparse's errors
+            rc = exit_.code
+        return rc, capsys.readouterr().err
+    return run
+
+
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PBE_CACHE", str(tmp_path_factory.getbasetemp() / "pbe-cache"))

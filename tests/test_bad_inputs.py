@@ -481,15 +481,6 @@ def test_out_that_is_a_file_is_refused(tmp_path):
 
 
 # ---------------------------------------------------------------- command line: one line, exit 2
-def cli(capsys, *argv):
-    from pbe.cli import main
-    try:
-        rc = main(list(argv))
-    except SystemExit as exit_:  # argparse's errors
-        rc = exit_.code
-    return rc, capsys.readouterr().err
-
-
 CLI_CASES = [
     (["train", "--epochs", "0", "--out", "{tmp}/o"], "epochs"),
     (["train", "--width", "0", "--out", "{tmp}/o"], "width"),
@@ -537,13 +528,13 @@ def test_cli_reader_gone_is_quiet():
 
 
 @pytest.mark.parametrize("argv,match", CLI_CASES, ids=[" ".join(c[0][:4]) for c in CLI_CASES])
-def test_cli_user_error_is_one_line_and_exit_2(files, tmp_path, capsys, argv, match):
+def test_cli_user_error_is_one_line_and_exit_2(files, tmp_path, cli_here, argv, match):
     import re
     model, _ = checkpoint.load(files["model"])
     torch.save(model.state_dict(), tmp_path / "legacy.pt")
     (tmp_path / "file").write_text("x")
     argv = [a.format(tmp=tmp_path, model=files["model"], three=files["three"]) for a in argv]
-    rc, err = cli(capsys, *argv)
+    rc, err = cli_here(*argv)
     assert rc == 2, err
     assert "Traceback" not in err and re.search(match, err), err
     assert len([line for line in err.splitlines() if line.strip()]) == 1, err

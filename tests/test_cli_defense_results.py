@@ -35,7 +35,7 @@ def test_a_run_names_its_threads_and_cpu(attack_run):
     assert cpu_model().endswith(f"({torch.backends.cpu.get_cpu_capability()})")
 
 
-def test_cli_detect_and_erase_no_clean(attack_run, tmp_path):
+def test_cli_detect_and_erase_no_clean(attack_run, tmp_path, cli_here):
     r = run_cli("detect", "--model", str(attack_run), "--method", "kappa", "--eps", "0.1", "--probe-size", "300")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("backdoor suspected: adversarial examples point to label 0")
@@ -71,9 +71,9 @@ def test_cli_detect_and_erase_no_clean(attack_run, tmp_path):
         edited = json.loads(json.dumps(manifest))
         change(edited["run"])  # a folder made by another version of the default, or by other code
         manifest_path.write_text(json.dumps(edited))
-        r = run_cli("erase", "--model", str(attack_run), "--setting", "no-clean", "--poison-from", str(attack_run),
-                    "--out", str(tmp_path / "default"), "--no-progress")
-        assert r.returncode == 2 and "holds another run" in r.stderr, field
+        rc, err = cli_here("erase", "--model", attack_run, "--setting", "no-clean", "--poison-from", attack_run,
+                           "--out", tmp_path / "default", "--no-progress")
+        assert rc == 2 and "holds another run" in err, field
     r = run_cli("erase", "--model", str(attack_run), "--setting", "no-clean", "--poison-from", str(attack_run),
                 "--schedule", "fast", "--eps", "0.1", "--out", str(tmp_path / "fast"), "--no-progress")
     assert r.returncode == 0, r.stderr
@@ -86,20 +86,20 @@ def test_cli_detect_and_erase_no_clean(attack_run, tmp_path):
     assert report["rounds"][0]["detection"]["auc"] is not None and "subset_indices" in report["rounds"][0]
 
 
-def test_cli_erase_clean_extra_and_user_errors(attack_run, tmp_path):
+def test_cli_erase_clean_extra_and_user_errors(attack_run, tmp_path, cli_here):
     r = run_cli("erase", "--model", str(attack_run), "--setting", "clean-extra", "--clean-fraction", "0.2",
                 "--poison-from", str(attack_run), "--eps", "0.1", "--out", str(tmp_path), "--no-progress")
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["defense"] == "aft" and len(report["clean_indices"]) == round(0.2 * 1437)
-    r = run_cli("erase", "--model", str(attack_run), "--out", str(tmp_path / "x"))
-    assert r.returncode == 2 and "--poison-from" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("erase", "--model", str(attack_run), "--setting", "clean-extra", "--clean-fraction", "2",
-                "--out", str(tmp_path / "y"))
-    assert r.returncode == 2 and "--clean-fraction" in r.stderr
+    rc, err = cli_here("erase", "--model", attack_run, "--out", tmp_path / "x")
+    assert rc == 2 and "--poison-from" in err and "Traceback" not in err
+    rc, err = cli_here("erase", "--model", attack_run, "--setting", "clean-extra", "--clean-fraction", "2",
+                       "--out", tmp_path / "y")
+    assert rc == 2 and "--clean-fraction" in err
 
 
-def test_cli_defend_runs_registered_defences_and_rejects_bad_input(attack_run, tmp_path):
+def test_cli_defend_runs_registered_defences_and_rejects_bad_input(attack_run, tmp_path, cli_here):
     from pbe import checkpoint
     run = str(attack_run)
     r = run_cli("defend", "--defense", "nad", "--model", run, "--poison-from", run, "--clean-fraction", "0.2",
@@ -117,10 +117,10 @@ def test_cli_defend_runs_registered_defences_and_rejects_bad_input(attack_run, t
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "strip" / "report.json").read_text())
     assert report["detection"]["flagged"] == len(report["suspected_indices"]) > 0
-    r = run_cli("defend", "--defense", "ac", "--model", run, "--out", str(tmp_path / "x"))
-    assert r.returncode == 2 and "--poison-from" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("defend", "--defense", "ft", "--model", run, "--param", "epochz=2", "--out", str(tmp_path / "y"))
-    assert r.returncode == 2 and "unknown parameter" in r.stderr and "Traceback" not in r.stderr
+    rc, err = cli_here("defend", "--defense", "ac", "--model", run, "--out", tmp_path / "x")
+    assert rc == 2 and "--poison-from" in err and "Traceback" not in err
+    rc, err = cli_here("defend", "--defense", "ft", "--model", run, "--param", "epochz=2", "--out", tmp_path / "y")
+    assert rc == 2 and "unknown parameter" in err and "Traceback" not in err
 
 
 def _row(**kw):

@@ -2,6 +2,7 @@
 surviving a worker killed mid-cell (a local Ray instance; the digits table, seconds per cell)."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,17 +29,25 @@ def _reproduce(tmp_path, config: str, *args, env_extra=None, popen=False):
 
 
 def test_config_errors_name_the_problem_and_the_fix(tmp_path):
+    """A bad config is refused by name, with the fix; checked in this process, and once through the command
+    line (its exit code and message)."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    import grid
+
+    from pbe.utils import PBEError
+    cfg = tmp_path / "config.yaml"
+    for text, message in (("script: digits\nattack: [badnets]\n", r"unknown keys \['attack'\].*attacks"),
+                          ("script: nope\n", "unknown table script 'nope'.*pbe_cifar10"),
+                          ("script: digits\nresources: {num_gpus: -1}\n", "resources must map num_cpus / num_gpus"),
+                          ("attacks: [badnets]\n", "'script' key")):
+        cfg.write_text(text)
+        with pytest.raises(PBEError, match=message):
+            grid.load_config(cfg)
     bad = _reproduce(tmp_path, "script: digits\nattack: [badnets]\n", "--dry-run")
-    assert bad.returncode != 0 and "unknown keys ['attack']" in bad.stderr and "attacks" in bad.stderr
-    bad = _reproduce(tmp_path, "script: nope\n", "--dry-run")
-    assert bad.returncode != 0 and "unknown table script 'nope'" in bad.stderr and "pbe_cifar10" in bad.stderr
-    bad = _reproduce(tmp_path, "script: digits\nresources: {num_gpus: -1}\n", "--dry-run")
-    assert bad.returncode != 0 and "resources must map num_cpus / num_gpus" in bad.stderr
-    bad = _reproduce(tmp_path, "attacks: [badnets]\n", "--dry-run")
-    assert bad.returncode != 0 and "'script' key" in bad.stderr
-    missing = subprocess.run([sys.executable, str(EXPERIMENTS / "reproduce.py"), str(tmp_path / "none.yaml")],
-                             cwd=ROOT, capture_output=True, text=True)
-    assert missing.returncode != 0 and "not found" in missing.stderr and "configs" in missing.stderr
+    assert bad.returncode == 2 and bad.stderr.startswith("reproduce.py: error: ")
+    assert "unknown keys ['attack']" in bad.stderr and len(bad.stderr.splitlines()) == 1  # one line, no traceback
+    with pytest.raises(PBEError, match="not found.*configs"):
+        grid.load_config(tmp_path / "none.yaml")
 
 
 def test_committed_configs_list_their_cells(tmp_path):
@@ -67,10 +76,30 @@ def _ray_workers_mid_cell() -> list[int]:
             and any(c[1] == pid and "pbe" in c[0] for c in procs.values())]
 
 
+DIGITS_FT = "script: digits\nattacks: [badnets]\ndefenses: [ft]\nseeds: [0]\n"
+
+
+@pytest.fixture(scope="module")
+def digits_ft(tmp_path_factory):
+    """The digits table's FT cell (BadNets, seed 0) made once by the local executor: its results and runs
+    folders, which each test copies (`copy_of`) before it adds to them or alters them."""
+    base = tmp_path_factory.mktemp("digits_ft")
+    made = _reproduce(base, DIGITS_FT)
+    assert made.returncode == 0, made.stderr[-3000:]
+    return base
+
+
+def copy_of(made: Path, tmp_path: Path) -> None:
+    for folder in ("results", "runs"):
+        shutil.copytree(made / folder, tmp_path / folder)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds and kills Ray workers through /proc")
-def test_ray_executor_survives_a_worker_killed_mid_cell_and_local_skips_finished_cells(tmp_path):
+def test_ray_executor_survives_a_worker_killed_mid_cell_and_local_skips_finished_cells(digits_ft, tmp_path):
+    """Seed 0's cell has a row (the fixture's), seed 1's is run by a Ray worker that is killed mid-cell."""
     pytest.importorskip("ray")
-    config = "script: digits\nattacks: [badnets]\ndefenses: [ft]\nseeds: [0, 1]\n"
+    copy_of(digits_ft, tmp_path)
+    config = DIGITS_FT.replace("[0]", "[0, 1]")
     proc = _reproduce(tmp_path, config, "--executor", "ray", popen=True)
     killed, deadline = None, time.time() + 300
     while proc.poll() is None and time.time() < deadline:
@@ -97,18 +126,16 @@ def test_ray_executor_survives_a_worker_killed_mid_cell_and_local_skips_finished
     assert md.count("| badnets |") == 3 and (tmp_path / "results" / "digits.csv").exists()
 
 
-def test_verify_reruns_a_committed_row_and_names_the_fields_that_differ(tmp_path):
+def test_verify_reruns_a_committed_row_and_names_the_fields_that_differ(digits_ft, tmp_path):
     """`--verify` reruns a cell that has a row in a temporary folder and compares: here the committed row's
     ASR was altered, so exactly that field is named (the rerun is otherwise identical) and it exits 1,
     leaving the committed table as it was."""
-    config = "script: digits\nattacks: [badnets]\ndefenses: [ft]\nseeds: [0]\n"
-    made = _reproduce(tmp_path, config)
-    assert made.returncode == 0, made.stderr[-3000:]
+    copy_of(digits_ft, tmp_path)
     table = tmp_path / "results" / "digits.json"
     rows = json.loads(table.read_text())
     rows[0]["asr"] = round(rows[0]["asr"] + 0.25, 6)
     table.write_text(json.dumps(rows))
-    check = _reproduce(tmp_path, config, "--verify")
+    check = _reproduce(tmp_path, DIGITS_FT, "--verify")
     assert check.returncode == 1, check.stderr[-3000:]
     assert "1 fields differ: asr:" in check.stdout and "0 of 1 rows reproduced identically" in check.stdout
     assert json.loads(table.read_text()) == rows and not list((tmp_path / "runs").glob("*verify*"))
