@@ -70,17 +70,17 @@ def test_killed_run_resumes_to_bit_identical_weights(kind, tmp_path):
         assert json.loads((cut / "poison.json").read_text()) == json.loads((whole / "poison.json").read_text())
 
 
-def test_finished_run_is_not_redone_and_another_run_is_refused(tmp_path):
+def test_finished_run_is_not_redone_and_another_run_is_refused(tmp_path, cli_here):
     out = tmp_path / "run"
     args = ["train", "--dataset", "digits", "--epochs", "2", "--out", str(out), "--no-progress"]
     assert subprocess.run(pbe_cmd(*args), capture_output=True).returncode == 0
     stamp = (out / "model.safetensors").stat().st_mtime_ns
-    r = subprocess.run(pbe_cmd(*args), capture_output=True, text=True)
-    assert r.returncode == 0 and "nothing to do" in r.stderr
+    rc, err = cli_here(*args)  # neither this nor the refusal trains: in this process
+    assert rc == 0 and "nothing to do" in err
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
     other = ["train", "--dataset", "digits", "--epochs", "2", "--seed", "1", "--out", str(out), "--no-progress"]
-    r = subprocess.run(pbe_cmd(*other), capture_output=True, text=True)
-    assert r.returncode == 2 and "holds another run" in r.stderr and "--overwrite" in r.stderr
+    rc, err = cli_here(*other)
+    assert rc == 2 and "holds another run" in err and "--overwrite" in err
     r = subprocess.run(pbe_cmd(*other, "--overwrite"), capture_output=True, text=True)
     assert r.returncode == 0 and json.loads((out / "model.json").read_text())["seed"] == 1
 

@@ -20,9 +20,14 @@ def pbe(*args, env=None):
 DRIVER = """
 import json, os, sys
 import torch
-from pbe import utils
+from pbe import data, plots, utils
 from pbe.cli import main
 torch.set_num_threads(1)
+# what the runs import on first use, imported once here instead of in every child: torch's compiler stack
+# (its optimizers' first construction), scikit-learn (the digits) and matplotlib (the figures)
+torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+data.load("digits", split="test")
+plots._plt()
 for line in sys.stdin:
     job = json.loads(line)
     pid = os.fork()
@@ -41,7 +46,7 @@ for line in sys.stdin:
 @pytest.fixture(scope="module")
 def driver():
     """One single-threaded Python that forks a child per killed run (forking this multi-threaded
-    pytest process could deadlock OpenMP)."""
+    pytest process could deadlock OpenMP); the children inherit its imports, so each costs its compute."""
     import os
     proc = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
