@@ -301,3 +301,22 @@ def test_pbe_table_means_per_set_keep_one_failure_apart():
     assert gen == "| generalisation | pbe (targeted) | 3 | 1 of 3 | 3.00 | 17.67 | 2.80 | 1.50 (without `a`) |"
     assert "| dev | pbe (targeted) | 1 | 0 of 1 |" in md and md.count("| dev |") == 1  # 3.5 epoch-eq.: not the goal
     assert pc.set_means_markdown([row(None, None, 0.1)]) == ""
+
+
+def test_defence_figure_shows_current_schedules_dev_models_first(tmp_path):
+    """The PBE tables' figure: an earlier default's rows (a schedule PBE no longer has) stay in the table and out
+    of the figure; the zoo's dev models come before its generalisation set, whatever the rows' order."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    from common import DefenceTable
+
+    def row(zoo, zoo_set, defense, schedule, asr):
+        return {"zoo": zoo, "zoo_set": zoo_set, "attack": "badnets", "all_to_all": False, "defense": defense,
+                "schedule": schedule, "acc_before": 0.85, "asr_before": 1.0, "acc": 0.83, "asr": asr}
+    table = DefenceTable(tmp_path / "t", "T", "python make.py")
+    table.rows = [row("gen_model", "generalisation", "pbe", "targeted_v2", 0.5),
+                  row("gen_model", "generalisation", "pbe", "targeted", 0.02),
+                  row("dev_model", "dev", "pbe", "paper", 1.0), row("dev_model", "dev", "aft", "aft", 0.4)]
+    fig = table.figure()
+    assert [t.get_text() for t in fig.axes[1].get_xticklabels()] == ["dev_model", "gen_model"]
+    assert sorted(100 * b.get_height() for b in fig.axes[0].patches) == [200, 4000, 10000]  # no targeted_v2 bar
+    assert {t.get_text() for t in fig.legends[0].get_texts()} == {"pbe (targeted)", "pbe (paper)", "aft"}
