@@ -320,3 +320,20 @@ def test_defence_figure_shows_current_schedules_dev_models_first(tmp_path):
     assert [t.get_text() for t in fig.axes[1].get_xticklabels()] == ["dev_model", "gen_model"]
     assert sorted(100 * b.get_height() for b in fig.axes[0].patches) == [200, 4000, 10000]  # no targeted_v2 bar
     assert {t.get_text() for t in fig.legends[0].get_texts()} == {"pbe (targeted)", "pbe (paper)", "aft"}
+
+
+def test_committed_tables_are_their_json_rendered():
+    """Every committed results table (.md, .csv) is what the committed renderer makes of its JSON: a renderer
+    changed without `python experiments/render.py`, or a JSON edited by hand, shows here."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    import render
+
+    checked = []
+    for name, table in sorted(render.tables().items()):
+        if not table.rows:
+            continue
+        for suffix, text in ((".md", table.markdown()), (".csv", table.csv())):
+            path = table.json_path.with_suffix(suffix)
+            assert path.read_text() == text, f"{path.name} differs from its JSON rendered: run experiments/render.py"
+        checked.append(name)
+    assert {"defenses_cifar10", "pbe_cifar10", "digits"} <= set(checked)
