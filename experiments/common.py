@@ -154,12 +154,17 @@ class DefenceTable(ResultsTable):
 ZOO_SET_ORDER = [None, *zoo.SETS]  # rows of no zoo model (quick runs) first, then the zoo's sets in order
 
 
+def row_schedule(r: dict) -> str | None:
+    """The schedule a row names, as a key of its own or among its parameters (AFT rows name ``aft``)."""
+    return r.get("schedule") or (r.get("params") or {}).get("schedule")
+
+
 def schedule_of(r: dict) -> str | None:
     """A PBE row's schedule (None for another defence)."""
-    return (r.get("schedule") or (r.get("params") or {}).get("schedule")) if r["defense"] == "pbe" else None
+    return row_schedule(r) if r["defense"] == "pbe" else None
 
 
 def defence_name(r: dict) -> str:
     """A defence as the figures name it: the PBE schedule beside it (``pbe (targeted)``)."""
-    schedule = r.get("schedule") or (r.get("params") or {}).get("schedule")
+    schedule = row_schedule(r)
     return f"{r['defense']} ({schedule})" if schedule and schedule != r["defense"] else r["defense"]
