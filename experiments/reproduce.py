@@ -1,9 +1,11 @@
 """Rebuild a results table from its config: one YAML per table in ``experiments/configs/``, each
 naming the table script, the zoo models, the defences and their parameters. Cells (one row of
-``../shared/RESULTS.md`` each) with a row already are skipped; a cell cut short starts again
-cleanly (rows are written whole, by this driver only). ``--dry-run`` lists the cells left and an
-estimate of their cost. ``--verify`` reruns the selected cells that *have* a row, in a temporary folder,
-and says per row whether the rerun is identical (wall time, hardware, version and command aside).
+``../shared/RESULTS.md`` each) with a row already are skipped; a cell cut short resumes from the state
+its command staged under ``runs/`` when rerun by the same code, or starts again cleanly (rows are written
+whole, by this driver only; ``carry.py`` carries staged states to a fresh checkout through git).
+``--dry-run`` lists the cells left and an estimate of their cost. ``--verify`` reruns the selected cells
+that *have* a row, in a temporary folder, and says per row whether the rerun is identical (wall time,
+hardware, version and command aside).
 
     python experiments/reproduce.py experiments/configs/pbe_cifar10.yaml [...] [--only PATTERN ...] [--dry-run]
     python experiments/reproduce.py CONFIG --executor ray [--address HOST:PORT]   # pip install -e '.[ray]'

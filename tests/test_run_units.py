@@ -1,6 +1,7 @@
 """An output folder is one unit (pbe.rundir): a kill after any write of `pbe train | attack | defend |
 erase` leaves the old unit or the new one, never a mix; two writers on one --out never interleave."""
 import json
+import shutil
 import subprocess
 import sys
 
@@ -134,18 +135,31 @@ def test_a_changed_file_is_refused_and_a_second_writer_waits(attacked, tmp_path)
     assert r.returncode == 2 and "another pbe command is writing" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_a_killed_defence_resumes_its_staged_state(attacked, driver, tmp_path):
+def strip_run(attacked, driver, tmp_path):
+    """`run(*extra, out, fault=0)`: STRIP (4 overlays, a 2-epoch retrain) through `pbe defend`, killed after
+    its `fault`-th write when given; its exit code."""
+    args = ["defend", "--defense", "strip", "--param", "n=4", "--param", "retrain=tiny", "--param", "retrain_epochs=2",
+            "--model", str(attacked), "--poison-from", str(attacked), *COMMON]
+
+    def run(*extra, out, fault=0):
+        return pbe_killed(driver, *args, *extra, "--out", str(out), fault=fault, errors=tmp_path / "stderr")
+    return run
+
+
+@pytest.fixture(scope="module")
+def strip_whole(attacked, driver, tmp_path_factory):
+    """A STRIP run never killed (the reference the resumed runs must match)."""
+    tmp = tmp_path_factory.mktemp("whole")
+    assert strip_run(attacked, driver, tmp)(out=tmp / "whole") == 0, (tmp / "stderr").read_text()
+    return tmp / "whole"
+
+
+def test_a_killed_defence_resumes_its_staged_state(attacked, driver, strip_whole, tmp_path):
     """`pbe defend` killed in the middle of a defence (STRIP's scoring batches, its retrain's epochs) takes
     up the state it staged when run again, with --overwrite as the reproduction scripts run it: the report
     says where, the model is the one of a run never killed, and the state is gone from the unit. A state
     staged by another run is refused without --overwrite and discarded with it."""
-    args = ["defend", "--defense", "strip", "--param", "n=4", "--param", "retrain=tiny", "--param", "retrain_epochs=2",
-            "--model", str(attacked), "--poison-from", str(attacked), *COMMON]
-    whole = tmp_path / "whole"
-
-    def run(*extra, out, fault=0):
-        return pbe_killed(driver, *args, *extra, "--out", str(out), fault=fault, errors=tmp_path / "stderr")
-    assert run(out=whole) == 0, (tmp_path / "stderr").read_text()
+    run, whole = strip_run(attacked, driver, tmp_path), strip_whole
     # writes 1-2: the staged run's and the defence call's identities; 3-8: STRIP's 6 batches; 9-10: the retrain
     for fault, stage in ((6, 1), (9, "retrain")):
         cut = tmp_path / f"cut{fault}"
@@ -176,3 +190,25 @@ def test_a_staged_run_resumes_only_with_its_own_code(tmp_path, monkeypatch):
         rundir.stage_for(out, {"seed": 0}, replace=False)
     rundir.stage_for(out, {"seed": 0}, replace=True)
     assert not (stage / "state").exists()
+
+
+def test_a_staged_state_carried_to_a_fresh_checkout_resumes(attacked, driver, strip_whole, tmp_path, monkeypatch):
+    """experiments/carry.py: a killed cell's staging folder saved to the store, the run folders lost (a fresh
+    checkout), restored: the rerun resumes it and ends as a run never killed; once finished, a save drops
+    the copy. A restore never replaces a staging folder or a finished run that is there."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "experiments"))
+    import carry
+    runs, store = tmp_path / "runs", tmp_path / "store"
+    run, out = strip_run(attacked, driver, tmp_path), runs / "cell" / "strip_seed0"
+    assert run("--overwrite", out=out, fault=6) == FAULT_EXIT
+    assert carry.save(runs, store) == [store / "cell" / "strip_seed0"]
+    staged = files(rundir.staging(out))
+    shutil.rmtree(runs)
+    assert carry.restore(runs, store) == [rundir.staging(out)] and files(rundir.staging(out)) == staged
+    assert carry.restore(runs, store) == []  # there already
+    assert run("--overwrite", out=out) == 0, (tmp_path / "stderr").read_text()
+    assert 1 in [r["stage"] for r in json.loads((out / "report.json").read_text())["resumed"]]
+    assert rundir.sha256(out / "model.safetensors") == rundir.sha256(strip_whole / "model.safetensors")
+    assert carry.restore(runs, store) == [] and not rundir.staging(out).exists()  # the cell finished here
+    assert carry.save(runs, store) == [] and not (store / "cell" / "strip_seed0").exists()

@@ -1,0 +1,95 @@
+"""Carry the staged state of unfinished cells from one checkout to the next, through git.
+
+A cell's command writes into a staging folder (``runs/.../.NAME.partial``, ``pbe.rundir``) that holds its
+resumable states; a rerun of the same cell by the same code takes them up. ``runs/`` is not committed, so
+a cell longer than a working session (the published-budget baselines take 3-5 h of one CPU thread) would
+start over on every fresh checkout. ``save`` copies every staging folder under ``runs/`` into
+``experiments/staged/`` (commit it), and drops the copies of cells that have finished here; ``restore``
+puts the copies back where a fresh checkout lacks them, and the cell's next run resumes there. A state is
+only taken up by the code that wrote it (``pbe.utils.code_fingerprint``): run the cell from that commit
+(``experiments/staged/README.md`` names it).
+
+    python experiments/carry.py save       # before the session ends, then commit experiments/staged/
+    python experiments/carry.py restore    # on a fresh checkout, before rerunning the cells
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from common import HERE, RUNS
+from grid import script_main
+
+from pbe.rundir import MANIFEST, staging
+
+STORE = HERE / "staged"  # committed: one folder per unfinished cell, named as its --out under runs/
+PARTIAL = ".partial"
+
+
+def _out_of(partial: Path) -> Path:
+    """The --out folder that a staging folder ``.NAME.partial`` stages."""
+    return partial.with_name(partial.name[1:-len(PARTIAL)])
+
+
+def _replace(src: Path, dest: Path) -> None:
+    """Copy folder `src` to `dest` as a whole: a copy cut short leaves the old one or none."""
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+
+
+def _size_mb(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2 ** 20
+
+
+def save(runs: Path = RUNS, store: Path = STORE) -> list[Path]:
+    """Copy every staging folder under `runs` into `store`; drop the copies whose cell has finished in
+    `runs` (its folder has a manifest). Returns the cells saved."""
+    saved = []
+    for partial in sorted(Path(runs).rglob(f".*{PARTIAL}")):
+        if not partial.is_dir():
+            continue
+        dest = store / _out_of(partial).relative_to(runs)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _replace(partial, dest)
+        saved.append(dest)
+        print(f"saved {partial} -> {dest} ({_size_mb(dest):.1f} MB)")
+    for carried in sorted(p.parent for p in store.rglob(".staged.json")):
+        out = Path(runs) / carried.relative_to(store)
+        if (out / MANIFEST).is_file():
+            shutil.rmtree(carried)
+            print(f"dropped {carried}: its cell finished in {out}")
+    return saved
+
+
+def restore(runs: Path = RUNS, store: Path = STORE) -> list[Path]:
+    """Copy the carried staging folders back under `runs`, where neither a staging folder nor a finished
+    run of that cell exists. Returns the staging folders restored."""
+    restored = []
+    for carried in sorted(p.parent for p in store.rglob(".staged.json")):
+        out = Path(runs) / carried.relative_to(store)
+        partial = staging(out)
+        if partial.exists() or (out / MANIFEST).is_file():
+            print(f"kept {partial if partial.exists() else out}: already here")
+            continue
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        _replace(carried, partial)
+        restored.append(partial)
+        print(f"restored {carried} -> {partial}")
+    return restored
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("action", choices=("save", "restore"))
+    ap.add_argument("--runs", type=Path, default=RUNS, help="the run folders (default: runs/, or $PBE_RUNS)")
+    ap.add_argument("--store", type=Path, default=STORE, help="the committed copies (default: experiments/staged)")
+    args = ap.parse_args()
+    (save if args.action == "save" else restore)(args.runs, args.store)
+
+
+if __name__ == "__main__":
+    script_main(main)
