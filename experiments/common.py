@@ -148,7 +148,7 @@ class DefenceTable(ResultsTable):
         rows = [r for r in self.rows if schedule_of(r) in (None, *SCHEDULES)]
         rows = [r for r in rows if not r["all_to_all"]] or rows
         rows = sorted(rows, key=lambda r: ZOO_SET_ORDER.index(r.get("zoo_set")))  # stable: row order within a set
-        return defence_bars(rows, defence_name)
+        return defence_bars(rows, defence_name, highlight=is_pbe)
 
 
 ZOO_SET_ORDER = [None, *zoo.SETS]  # rows of no zoo model (quick runs) first, then the zoo's sets in order
@@ -162,6 +162,11 @@ def row_schedule(r: dict) -> str | None:
 def schedule_of(r: dict) -> str | None:
     """A PBE row's schedule (None for another defence)."""
     return row_schedule(r) if r["defense"] == "pbe" else None
+
+
+def is_pbe(name: str) -> bool:
+    """Whether a figure's series (as `defence_name` names it) is PBE: the figures highlight it."""
+    return name.split(" ")[0] == "pbe"
 
 
 def defence_name(r: dict) -> str:

@@ -25,8 +25,8 @@ import json
 from statistics import mean
 
 from common import (
-    HERE, RESULTS, ROOT, RUNS, DefenceTable, built_zoo_models, data_args, defence_name, defence_row, same_zoo_model,
-    zoo_cell)
+    HERE, RESULTS, ROOT, RUNS, DefenceTable, built_zoo_models, data_args, defence_name, defence_row, is_pbe,
+    same_zoo_model, zoo_cell)
 from common import run_cell as run_command
 from grid import Cell, execute, median_cost, script_main
 
@@ -250,7 +250,8 @@ class DefencesTable(DefenceTable):
             summary.append({"name": series, "group": setting_of(d), "asr": m["asr"],
                             "acc_drop": m["acc_before"] - m["acc"]})
         over = ", ".join(common) if len(common) < 3 else f"{len(common)} models"
-        return defence_bars(rows, defence_name, model=model_of, means=summary, means_title=f"mean over {over}")
+        return defence_bars(rows, defence_name, model=model_of, means=summary, means_title=f"mean over {over}",
+                            highlight=is_pbe)
 
 
 def copy_pbe_row(cell: dict) -> dict | None:

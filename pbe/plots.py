@@ -68,13 +68,24 @@ def _default_model(r: dict) -> str:
     return r.get("zoo") or f"{r['attack']} {r['rate']:.0%} ({r['recipe']})"
 
 
+MAX_FIGURE_IN = 16  # the widest figure, in inches: a wider one is unreadable once a page scales it down
+BAR_IN = 0.13  # the width a bar gets, in inches (below MAX_FIGURE_IN)
+MODEL_IN = 0.7  # the least width a model's group of bars gets, in inches (room for its name)
+MEANS_IN = 5  # the width of the means panel, in inches
+LEGEND_COLUMNS = 7  # a longer legend wraps onto more rows
+HIGHLIGHT_HATCH = "///"  # the bars of the highlighted defence (the one a figure is about)
+MARKER_PT = 7  # the means panel's markers: their width in points (the highlighted one 1.4 times as wide)
+LABEL_PT = 8  # the means panel's labels (points)
+
+
 def defence_bars(rows: list[dict], series, model=_default_model, means: list[dict] | None = None,
-                 means_title: str = "means") -> object | None:
+                 means_title: str = "means", highlight=None) -> object | None:
     """Per infected model (x, `model(row)`) and defence (`series(row)`, one bar colour each): ASR after the
     defence (the model's ASR before it as a black tick) and the ACC drop in points. With `means` (dicts of
     ``name`` (a defence as `series` names it), ``group`` (its setting), ``asr`` and ``acc_drop``, shares in
-    [0, 1]) a panel beside them places each defence's means: ASR after against ACC drop, one marker per group.
-    Returns the figure."""
+    [0, 1]) a panel beside them places each defence's means: ASR after against ACC drop, one marker per
+    group, labels kept apart. `highlight(name)` picks the series drawn hatched and outlined, with a larger
+    marker. At most MAX_FIGURE_IN wide. Returns the figure."""
     rows = [r for r in rows if r.get("asr_before") is not None and r.get("acc_before") is not None]
     if not rows:
         return None
@@ -82,44 +93,100 @@ def defence_bars(rows: list[dict], series, model=_default_model, means: list[dic
     models = list(dict.fromkeys(model(r) for r in rows))
     names = list(dict.fromkeys(series(r) for r in rows))
     colour = dict(zip(names, _colours(len(names))))
-    width = 0.8 / len(names)
-    bars_width = max(7, 1.1 * len(models) * max(1, len(names) / 3))
-    fig = plt.figure(figsize=(bars_width + (6 if means else 0), 6))
-    grid = fig.add_gridspec(2, 2 if means else 1, width_ratios=[bars_width, 6] if means else None)
+    marked = {n for n in names if highlight is not None and highlight(n)}
+    marked = marked if marked != set(names) else set()  # highlighting every series would highlight none
+    width = 0.85 / len(names)  # a model's group of bars, with a gap to the next
+    bars_width = min(MAX_FIGURE_IN - (MEANS_IN if means else 0),
+                     max(6, BAR_IN * len(models) * len(names), MODEL_IN * len(models)))
+    legend_rows = -(-len(names) // LEGEND_COLUMNS)
+    height = 5.5
+    fig = plt.figure(figsize=(bars_width + (MEANS_IN if means else 0), height))
+    grid = fig.add_gridspec(2, 2 if means else 1, width_ratios=[bars_width, MEANS_IN] if means else None)
     top = fig.add_subplot(grid[0, 0])
     axes = [top, fig.add_subplot(grid[1, 0], sharex=top)]
     for j, name in enumerate(names):
+        style = ({"hatch": HIGHLIGHT_HATCH, "edgecolor": "k", "linewidth": 0.6} if name in marked else {})
         for i, m in enumerate(models):
             r = next((r for r in rows if series(r) == name and model(r) == m), None)
             if r is None:
                 continue
-            x = i - 0.4 + width * (j + 0.5)
-            axes[0].bar(x, 100 * r["asr"], width, color=colour[name], label=name)
+            x = i - 0.425 + width * (j + 0.5)
+            axes[0].bar(x, 100 * r["asr"], width, color=colour[name], label=name, **style)
             axes[0].plot([x - width / 2, x + width / 2], [100 * r["asr_before"]] * 2, "k-", lw=1)
-            axes[1].bar(x, 100 * (r["acc_before"] - r["acc"]), width, color=colour[name])
+            axes[1].bar(x, 100 * (r["acc_before"] - r["acc"]), width, color=colour[name], **style)
     handles = {h.get_label(): h for h in axes[0].containers}  # one bar per (model, defence): one handle each
-    # above the panels, one row: inside the axes the legend would hide bars
-    fig.legend(list(handles.values()), list(handles), fontsize=9, ncol=len(names), loc="upper center")
+    # above the panels: inside the axes the legend would hide bars
+    fig.legend(list(handles.values()), list(handles), fontsize=9, ncol=min(len(names), LEGEND_COLUMNS),
+               loc="upper center")
     axes[0].set(ylabel="ASR after (%)", ylim=(0, 105), title="black ticks: ASR before")
+    axes[0].tick_params(labelbottom=False)  # the models are named once, under the lower panel
     axes[1].set(ylabel="ACC drop (points)")
     axes[1].axhline(0, color="grey", lw=0.5)
-    axes[1].set_xticks(range(len(models)), models, rotation=30, ha="right", fontsize=8)
+    crowded = max(map(len, models)) > 72 * bars_width / len(models) / 6  # longer than its room (9 pt text)
+    axes[1].set_xticks(range(len(models)), models, rotation=35 if crowded else 15, ha="right", fontsize=9,
+                       rotation_mode="anchor")
+    axes[1].set_xlim(-0.5, len(models) - 0.5)
+    ax = None
     if means:
         ax = fig.add_subplot(grid[:, 1])
         markers = dict(zip(dict.fromkeys(m["group"] for m in means), "osD^v"))
         for m in means:
-            ax.scatter(100 * m["asr"], 100 * m["acc_drop"], s=60, marker=markers[m["group"]],
-                       color=colour.get(m["name"], "grey"), edgecolor="k")
-            ax.annotate(m["name"], (100 * m["asr"], 100 * m["acc_drop"]), xytext=(4, 3),
-                        textcoords="offset points", fontsize=8)
+            big = m["name"] in marked
+            ax.scatter(100 * m["asr"], 100 * m["acc_drop"], s=(2 if big else 1) * MARKER_PT ** 2,
+                       marker=markers[m["group"]], color=colour.get(m["name"], "grey"), edgecolor="k",
+                       linewidth=1.5 if big else 0.8, hatch=HIGHLIGHT_HATCH if big else None, zorder=3)
         for group, marker in markers.items():
             ax.scatter([], [], marker=marker, color="white", edgecolor="k", label=group)
         ax.legend(fontsize=8, loc="upper right")
-        ax.set(xlabel="mean ASR after (%)", ylabel="mean ACC drop (points)", xlim=(-3, 105),
-               title=f"{means_title}: lower left is better")
+        drops = [100 * m["acc_drop"] for m in means]
+        ax.set(xlabel="mean ASR after (%)", ylabel="mean ACC drop (points)", xlim=(-3, 108),
+               ylim=(min(0, *drops) - 2, max(drops) * 1.1 + 3), title=f"{means_title}: lower left is better")
         ax.axhline(0, color="grey", lw=0.5)
-    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.tight_layout(rect=(0, 0, 1, 1 - (0.22 * legend_rows + 0.05) / height))
+    if ax is not None:  # once the layout is final: the labels' places are measured in points on the page
+        label_apart(ax, [(100 * m["asr"], 100 * m["acc_drop"]) for m in means], [m["name"] for m in means])
     return fig
+
+
+def label_apart(ax, points: list[tuple[float, float]], labels: list[str], fontsize: float = LABEL_PT) -> None:
+    """Write each label beside its point (data coordinates) at the first of a few places around it that
+    overlaps no label written before, no marker, no legend of `ax` and stays inside it, or else overlaps
+    them least; a label above or below its marker gets a thin line to it. Call it once the layout is final:
+    places are measured on the page."""
+    ax.figure.canvas.draw()
+    to_pt = 72 / ax.figure.dpi
+
+    def box_of(extent) -> tuple:
+        return extent.x0 * to_pt, extent.y0 * to_pt, extent.x1 * to_pt, extent.y1 * to_pt
+    xy = [tuple(v * to_pt for v in ax.transData.transform(p)) for p in points]
+    frame = box_of(ax.get_window_extent())
+    half = 0.75 * MARKER_PT  # half a highlighted marker's box
+    taken = [(x - half, y - half, x + half, y + half) for x, y in xy]
+    if ax.get_legend() is not None:
+        taken.append(box_of(ax.get_legend().get_window_extent()))
+
+    def overlap(a, b) -> float:
+        return max(0, min(a[2], b[2]) - max(a[0], b[0])) * max(0, min(a[3], b[3]) - max(a[1], b[1]))
+
+    def clash(box) -> float:
+        """How much `box` overlaps what is taken (square points); a box outside the axes clashes most."""
+        inside = overlap(box, frame) == (box[2] - box[0]) * (box[3] - box[1])
+        return sum(overlap(box, t) for t in taken) + (0 if inside else 1e9)
+
+    renderer = ax.figure.canvas.get_renderer()
+    for i in sorted(range(len(xy)), key=lambda i: (xy[i][1], xy[i][0])):
+        probe = ax.text(0, 0, labels[i], fontsize=fontsize)
+        size = probe.get_window_extent(renderer)
+        probe.remove()
+        (x, y), w, h = xy[i], size.width * to_pt + 1, size.height * to_pt + 1  # 1 point apart
+        places = [(dx, dy * h - h / 2) for dy in (0, 1, -1, 2, -2, 3, -3, 4, -4)
+                  for dx in (half + 2, -half - 2 - w, -w / 2)]
+        dx, dy = min(places, key=lambda p: clash((x + p[0], y + p[1], x + p[0] + w, y + p[1] + h)))  # first best
+        taken.append((x + dx, y + dy, x + dx + w, y + dy + h))
+        away = dy != places[0][1]  # not level with its marker: a thin line joins them
+        ax.annotate(labels[i], points[i], xytext=(dx, dy), textcoords="offset points", fontsize=fontsize,
+                    ha="left", va="bottom", arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.5,
+                                                        "shrinkA": 0, "shrinkB": half} if away else None)
 
 
 def show(fig) -> None:

@@ -191,3 +191,32 @@ def test_results_table_subclass_draws_its_figure_and_links_it(tmp_path):
     fig = defence_bars(t.rows, lambda r: r["defense"])
     assert len(fig.axes[0].patches) == len(fig.axes[1].patches) == 2
     assert defence_bars([_row()], lambda r: r["defense"]) is None  # no before / after: nothing to draw
+
+
+def test_defence_figure_stays_readable_and_highlights_one_defence():
+    """Many models and defences stay within MAX_FIGURE_IN; the highlighted defence's bars (and only they)
+    are hatched and its means marker is larger; crowded means labels neither overlap one another nor
+    leave the panel; every model is named once, under the lower panel."""
+    from pbe import plots
+    names = [f"defence{j}" for j in range(12)]
+    rows = [_row(model=f"model{i}", defense=d, acc_before=0.9, asr_before=1.0, asr=0.1 * j / 12, acc=0.85)
+            for i in range(8) for j, d in enumerate(names)]
+    means = [{"name": d, "group": "clean-extra" if j % 2 else "no-clean", "asr": 0.02 * j, "acc_drop": 0.01 * (j % 3)}
+             for j, d in enumerate(names)]  # twelve labels within a few points of each other
+    fig = plots.defence_bars(rows, lambda r: r["defense"], model=lambda r: r["model"], means=means,
+                             highlight=lambda name: name == "defence3")
+    assert fig.get_figwidth() <= plots.MAX_FIGURE_IN
+    hatched = [b for b in fig.axes[0].patches if b.get_hatch()]
+    assert len(hatched) == 8 == sum(1 for c in fig.axes[0].containers if c.get_label() == "defence3")
+    assert all((c.get_label() == "defence3") == bool(c.patches[0].get_hatch()) for c in fig.axes[0].containers)
+    assert [t.get_text() for t in fig.axes[1].get_xticklabels()] == [f"model{i}" for i in range(8)]
+    assert not any(t.get_visible() and t.get_text() for t in fig.axes[0].get_xticklabels())
+    sizes = [c.get_sizes()[0] for c in fig.axes[2].collections if len(c.get_offsets())]
+    assert sizes[3] > max(sizes[:3] + sizes[4:])
+    fig.canvas.draw()
+    from matplotlib.text import Text
+    boxes = [Text.get_window_extent(t) for t in fig.axes[2].texts]  # the words, without the lines to markers
+    assert sorted(t.get_text() for t in fig.axes[2].texts) == sorted(names)
+    frame = fig.axes[2].get_window_extent()
+    assert all(frame.x0 <= b.x0 and b.x1 <= frame.x1 and frame.y0 <= b.y0 and b.y1 <= frame.y1 for b in boxes)
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
