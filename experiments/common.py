@@ -67,11 +67,6 @@ def zoo_cell(entry: zoo.Entry, defense: str, setting: str | None, seed: int, **e
                 zoo=entry.name, zoo_set=entry.set, **extra)
 
 
-def same_zoo_model(row: dict | None, entry: zoo.Entry) -> bool:
-    """Whether a stored row was measured on the zoo model now committed (its weights' sha256)."""
-    return bool(row) and row.get("zoo_sha256") == zoo.row(entry.name)["sha256"]
-
-
 def _die_with_parent() -> None:
     """Linux: the command dies with the process that started it (a killed Ray worker leaves no orphan
     writing into the run folder that the retried cell runs again)."""

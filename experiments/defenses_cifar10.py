@@ -14,8 +14,7 @@ fine-tuning defences AFT's budget instead (20 epochs on the 5% clean set = 1 epo
 model's own recipe and gives ABL's isolation and fine-tuning 20 % and 60 % of that recipe's epochs (its
 unlearning costs next to nothing and keeps its default); every row records its parameters.
 `--paper-budget` runs the defaults instead.
-PBE and AFT rows are copied from experiments/results/pbe_cifar10.json when that table has them (same
-infected model, same data), else run here through `pbe defend`.
+PBE and AFT run here through `pbe defend` like every other defence (no row is copied from another table).
 """
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ from statistics import mean
 
 from common import (
     HERE, RESULTS, ROOT, RUNS, DefenceTable, built_zoo_models, data_args, defence_name, defence_row, is_pbe,
-    same_zoo_model, zoo_cell)
+    zoo_cell)
 from common import run_cell as run_command
 from grid import Cell, execute, median_cost, script_main
 
@@ -254,19 +253,6 @@ class DefencesTable(DefenceTable):
                             highlight=is_pbe)
 
 
-def copy_pbe_row(cell: dict) -> dict | None:
-    """The PBE / AFT row of pbe_cifar10.json for the same cell (same zoo model, same defence seed)."""
-    path = RESULTS / "pbe_cifar10.json"
-    if not path.exists():
-        return None
-    keys = {k: v for k, v in cell.items() if k != "schedule"}
-    for row in json.loads(path.read_text()):
-        if all(row.get(k) == v for k, v in keys.items()) and row.get("schedule") in ("fast", "aft"):
-            return {**row, "schedule": None, "params": {"schedule": row.get("schedule")},
-                    "source": "experiments/results/pbe_cifar10.json"}
-    return None
-
-
 def budget_effect_markdown(rows: list[dict], cpu_rows: list[dict] | None = None) -> str:
     """The cut's effect: each published-budget row (`rows`) beside the CPU-budget row of the same zoo model
     and defence (`cpu_rows`, default the CPU table's), with the parameters that differ and the change in
@@ -352,12 +338,9 @@ def cells(cfg: dict) -> list[Cell]:
 
 
 def run_cell(name: str, defense: str, seed: int, paper_budget: bool) -> dict:
-    """One row: ``pbe defend`` on a zoo model (PBE / AFT rows are copied from pbe_cifar10.json when there)."""
+    """One row: ``pbe defend`` on a zoo model."""
     entry = zoo.get(name)
     cell = zoo_cell(entry, defense, setting_of(defense), seed)
-    if defense in ("pbe", "aft") and (row := copy_pbe_row(cell)) and same_zoo_model(row, entry):
-        print(f"{name} {defense}: copied from pbe_cifar10.json")
-        return row
     src = entry.folder.resolve().relative_to(ROOT)
     registered_name, variant = registered(defense)
     params = {**({} if paper_budget else cpu_budget(registered_name, entry.recipe)), **variant}
