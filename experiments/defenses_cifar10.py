@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+from pathlib import Path
 from statistics import mean
 
 from common import (
@@ -30,6 +31,8 @@ from common import run_cell as run_command
 from grid import Cell, execute, median_cost, script_main
 
 from pbe import defenses, zoo
+from pbe.cli.defend import DEFENSE_STATE
+from pbe.rundir import staging
 from pbe.train import get_recipe
 from pbe.utils import PBEError, json_safe
 
@@ -337,14 +340,34 @@ def cells(cfg: dict) -> list[Cell]:
             for seed in cfg["seeds"]]
 
 
+def defence_params(entry: zoo.Entry, defense: str, paper_budget: bool) -> tuple[str, dict]:
+    """The registered defence a cell runs and the parameters its command sets (the budget's, the variant's)."""
+    registered_name, variant = registered(defense)
+    return registered_name, {**({} if paper_budget else cpu_budget(registered_name, entry.recipe)), **variant}
+
+
+def cell_out(name: str, defense: str, seed: int, paper_budget: bool) -> Path:
+    """A cell's run folder (its command's --out; one per cell)."""
+    return RUNS / "defenses_cifar10" / name / f"{defense}_seed{seed}{'_paper' if paper_budget else ''}"
+
+
+def staged(name: str, defense: str, seed: int, paper_budget: bool) -> float:
+    """The epoch-equivalents done in the state a cell's interrupted command staged, which its rerun takes up
+    (0 without one, or one of other code or parameters): the grid's estimates leave them out."""
+    registered_name, params = defence_params(zoo.get(name), defense, paper_budget)
+    state_dir = staging(ROOT / cell_out(name, defense, seed, paper_budget)) / DEFENSE_STATE
+    progress = defenses.staged_progress(state_dir, defense=registered_name, seed=seed,
+                                        params=defenses.create(registered_name, **params).params)
+    return progress.epoch_equivalents if progress else 0.0
+
+
 def run_cell(name: str, defense: str, seed: int, paper_budget: bool) -> dict:
     """One row: ``pbe defend`` on a zoo model."""
     entry = zoo.get(name)
     cell = zoo_cell(entry, defense, setting_of(defense), seed)
     src = entry.folder.resolve().relative_to(ROOT)
-    registered_name, variant = registered(defense)
-    params = {**({} if paper_budget else cpu_budget(registered_name, entry.recipe)), **variant}
-    out = RUNS / "defenses_cifar10" / name / f"{defense}_seed{seed}{'_paper' if paper_budget else ''}"  # one per cell
+    registered_name, params = defence_params(entry, defense, paper_budget)
+    out = cell_out(name, defense, seed, paper_budget)
     cmd = ["pbe", "defend", "--defense", registered_name, "--model", str(src), *data_args(entry),
            "--poison-from", str(src), "--seed", str(seed), "--out", str(out), "--no-progress",
            "--clean-fraction", "0.05", "--overwrite"]  # the folder caches this cell: other settings' run is replaced

@@ -6,8 +6,9 @@ counts once, when its row is added.
 
 A table script provides ``CONFIG`` (its keys and their defaults), ``results_table(config)``,
 ``cells(config)``, ``run_cell(**params)`` and optionally ``stale(row)`` (a row it no longer accepts,
-e.g. made by an older method); ``reproduce.py`` runs a YAML config of one, and the script's own
-command line builds the same config from its arguments.
+e.g. made by an older method) and ``staged(**params)`` (the epoch-equivalents that a cell's interrupted
+run has staged and its rerun takes up: left out of the estimates); ``reproduce.py`` runs a YAML config
+of one, and the script's own command line builds the same config from its arguments.
 """
 from __future__ import annotations
 
@@ -141,13 +142,17 @@ def execute(cfg: dict, executor: str = "local", address: str | None = None, only
         cells = [c for c in cells if any(fnmatch.fnmatch(c.name, p) or p in c.name for p in only)]
     todo = pending(table, cells, getattr(mod, "stale", None))
     rate = seconds_per_epoch_equivalent(table)
-    total = sum(c.estimate for c in todo)
-    print(f"{table.json_path.stem}: {len(cells)} cells, {len(cells) - len(todo)} done, {len(todo)} to run, about "
-          f"{total:.1f} epoch-equivalents" + (f" (~{total * rate / 3600:.1f} h at this table's median "
-                                              f"{rate:.0f} s per epoch-equivalent)" if rate else ""), flush=True)
+    done = {c.name: min(c.estimate, mod.staged(**c.params)) if hasattr(mod, "staged") else 0.0 for c in todo}
+    total = sum(c.estimate - done[c.name] for c in todo)
+    resuming = sum(1 for d in done.values() if d > 0)
+    print(f"{table.json_path.stem}: {len(cells)} cells, {len(cells) - len(todo)} done, {len(todo)} to run"
+          + (f" ({resuming} resuming from a staged state)" if resuming else "") + f", about {total:.1f} "
+          "epoch-equivalents left" + (f" (~{total * rate / 3600:.1f} h at this table's median "
+                                      f"{rate:.0f} s per epoch-equivalent)" if rate else ""), flush=True)
     if dry_run:
         for c in todo:
-            print(f"  {c.name}: ~{c.estimate:.1f} epoch-eq.")
+            print(f"  {c.name}: ~{c.estimate - done[c.name]:.1f} epoch-eq."
+                  + (f" ({done[c.name]:.1f} done in its staged state)" if done[c.name] else ""))
         return []
     if not todo:
         return []

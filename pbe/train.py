@@ -249,7 +249,8 @@ def train(model: nn.Module, train_set: ImageDataset, test_set: ImageDataset | No
             row["test_acc" if last else "test_acc_subset"] = accuracy(pred, test_set.labels[sub])
         history.append(row)
         if state_path is not None:
-            _checkpoint(state_path, run, model, opt, gen, hook, epoch + 1, step, history, time.time() - start)
+            _checkpoint(state_path, run, model, opt, gen, hook, epoch + 1, step, history, time.time() - start,
+                        len(train_set))
         if log is not None:
             with atomic_path(log) as tmp:
                 tmp.write_text("".join(json.dumps(r) + "\n" for r in history))
@@ -276,8 +277,8 @@ def resumable_epochs(path, recipe: str | Recipe, seed: int, train_set: ImageData
 
 
 def _checkpoint(path: Path, run: dict, model, opt, gen, hook, epoch: int, step: int, history: list,
-                elapsed: float) -> None:
-    state = {"run": run, "epoch": epoch, "step": step, "history": history, "elapsed_s": elapsed,
+                elapsed: float, samples: int) -> None:
+    state = {"run": run, "epoch": epoch, "step": step, "history": history, "elapsed_s": elapsed, "samples": samples,
              "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(gen)}
     if hook is not None and hasattr(hook, "state_dict"):
         state["hook"] = hook.state_dict()

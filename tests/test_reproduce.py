@@ -173,6 +173,31 @@ def test_local_executor_skips_a_cell_another_process_made_meanwhile(tmp_path, mo
     assert next(r for r in rows if r["seed"] == 1)["command"] == "made elsewhere"
 
 
+def test_a_dry_run_leaves_out_what_staged_states_have_done(tmp_path, monkeypatch, capsys):
+    """A script's ``staged(**params)`` (the epoch-equivalents a cell's staged state has done, which its rerun
+    takes up) is taken off that cell's estimate and the total, never below zero; the header counts the cells
+    resuming; a script without the hook leaves the estimates whole."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    import types
+
+    import grid
+
+    from pbe.results import ResultsTable
+    cells = [grid.Cell("toy", f"cell {s}", {"seed": s}, {"seed": s}, 5.0) for s in range(3)]
+    toy = types.SimpleNamespace(CONFIG={}, results_table=lambda cfg: ResultsTable(tmp_path / "toy", "toy", "x"),
+                                cells=lambda cfg: cells, staged=lambda seed: {0: 2.0, 1: 0.0, 2: 9.0}[seed])
+    monkeypatch.setattr(grid, "module", lambda script: toy)
+    assert grid.execute({"script": "toy"}, dry_run=True) == []
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("toy: 3 cells, 0 done, 3 to run (2 resuming from a staged state), about 8.0 "
+                             "epoch-equivalents left")
+    assert out[1:] == ["  cell 0: ~3.0 epoch-eq. (2.0 done in its staged state)", "  cell 1: ~5.0 epoch-eq.",
+                       "  cell 2: ~0.0 epoch-eq. (5.0 done in its staged state)"]
+    del toy.staged
+    grid.execute({"script": "toy"}, dry_run=True)
+    assert "about 15.0 epoch-equivalents left" in capsys.readouterr().out
+
+
 def test_published_budget_rows_are_cells_of_their_own():
     """A defence at its published budget is another cell than the same defence at the CPU budget (same zoo
     model, defence and seed): its rows go to a table of their own, so neither run skips the other."""

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 from pbe import rundir
+from pbe.defenses import staged_progress
 from pbe.utils import FAULT_EXIT, PBEError
 
 COMMON = ["--dataset", "digits", "--no-progress"]
@@ -160,10 +161,22 @@ def test_a_killed_defence_resumes_its_staged_state(attacked, driver, strip_whole
     says where, the model is the one of a run never killed, and the state is gone from the unit. A state
     staged by another run is refused without --overwrite and discarded with it."""
     run, whole = strip_run(attacked, driver, tmp_path), strip_whole
+    full = json.loads((whole / "report.json").read_text())
+    n, overlays, batch = full["train_size"], 4, 256
     # writes 1-2: the staged run's and the defence call's identities; 3-8: STRIP's 6 batches; 9-10: the retrain
     for fault, stage in ((6, 1), (9, "retrain")):
         cut = tmp_path / f"cut{fault}"
         assert run("--overwrite", out=cut, fault=fault) == FAULT_EXIT
+        # what a rerun will take up, as the grid's estimates read it: 4 of 6 batches; all 6 and 1 of 2 epochs
+        progress = staged_progress(rundir.staging(cut) / "state", defense="strip", seed=0)
+        if stage == 1:
+            assert progress.loops == [{"stage": 1, "epochs_done": 4, "epochs": 6}]
+            assert progress.epoch_equivalents == pytest.approx(overlays * min(4 * batch, full["data_size"]) / 3 / n)
+        else:
+            assert progress.loops == [{"stage": 1, "epochs_done": 6, "epochs": 6},
+                                      {"stage": "retrain", "epochs_done": 1, "epochs": 2}]
+            assert progress.epoch_equivalents == pytest.approx(full["epoch_equivalents"] - full["kept"] / n)
+        assert staged_progress(rundir.staging(cut) / "state", seed=1) is None  # another call's states
         assert run("--overwrite", out=cut) == 0, (tmp_path / "stderr").read_text()
         report = json.loads((cut / "report.json").read_text())
         assert stage in [r["stage"] for r in report["resumed"]], report["resumed"]
@@ -207,6 +220,10 @@ def test_a_staged_state_carried_to_a_fresh_checkout_resumes(attacked, driver, st
     shutil.rmtree(runs)
     assert carry.restore(runs, store) == [rundir.staging(out)] and files(rundir.staging(out)) == staged
     assert carry.restore(runs, store) == []  # there already
+    assert staged_progress(rundir.staging(out) / "state").loops == [{"stage": 1, "epochs_done": 4, "epochs": 6}]
+    with monkeypatch.context() as m:  # states of other code: a rerun starts over, so nothing counts as done
+        m.setattr("pbe.defenses.base.code_fingerprint", lambda: "other code")
+        assert staged_progress(rundir.staging(out) / "state") is None
     assert run("--overwrite", out=out) == 0, (tmp_path / "stderr").read_text()
     assert 1 in [r["stage"] for r in json.loads((out / "report.json").read_text())["resumed"]]
     assert rundir.sha256(out / "model.safetensors") == rundir.sha256(strip_whole / "model.safetensors")

@@ -12,7 +12,8 @@ from __future__ import annotations
 from pbe.defenses.abl import ABL
 from pbe.defenses.ac import ActivationClustering
 from pbe.defenses.anp import ANP
-from pbe.defenses.base import SETTINGS, Context, Cost, Defense, DefenseResult, Evaluation
+from pbe.defenses.base import (SETTINGS, Context, Cost, Defense, DefenseResult, Evaluation, StagedProgress,
+                               staged_progress)
 from pbe.defenses.filtering import FilteringDefense
 from pbe.defenses.fp import FinePruning
 from pbe.defenses.ft import FineTuning
@@ -45,4 +46,5 @@ def create(name: str, **params) -> Defense:
 
 
 __all__ = ["REGISTRY", "SCHEDULES", "SETTINGS", "Context", "Cost", "Defense", "DefenseResult", "Evaluation",
-           "FilteringDefense", "Schedule", "aft", "available", "create", "erase", "get_schedule"]
+           "FilteringDefense", "Schedule", "StagedProgress", "aft", "available", "create", "erase", "get_schedule",
+           "staged_progress"]

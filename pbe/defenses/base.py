@@ -120,7 +120,7 @@ class Stage:
         self.parts = {k: v for k, v in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler))
                       if v is not None}
         self.tensors = tensors or {}
-        self.path = (ctx.state_dir / f"stage{ctx.stages}.safetensors"
+        self.path = (ctx.state_dir / STAGE_FILE.format(ctx.stages)
                      if ctx.state_dir is not None and resumable else None)
         if self.path is None:
             ctx.replaying = False  # this loop runs whole again: what follows may differ from the states
@@ -194,6 +194,59 @@ def claim_state_dir(state_dir, identity: dict) -> Path:
 
 
 STATE_IDENTITY = "call.json"  # in a state_dir: the call its stages belong to
+STAGE_FILE = "stage{}.safetensors"  # in a state_dir: the state of the call's N-th Stage
+RETRAIN_STATE = "retrain.safetensors"  # in a state_dir: a filtering defence's retrain (pbe.train's state)
+
+
+@dataclass
+class StagedProgress:
+    """The work an interrupted call's states account for: epoch-equivalents and wall seconds, and per
+    loop (``stage`` N, or ``"retrain"``) its epochs done of its epochs."""
+
+    epoch_equivalents: float
+    elapsed_s: float
+    loops: list[dict]
+
+
+def staged_progress(state_dir: str | Path, **expected) -> StagedProgress | None:
+    """What a rerun would take up of the call staged in `state_dir` (``Defense.__call__``'s): its Stages in
+    order (each state holds the call's counts so far; nothing after an unfinished loop ran), then a
+    filtering defence's retrain. None without a state, or when the states were written by other code or
+    by a call whose identity differs from `expected` (e.g. ``defense=``, ``params=``, ``seed=``): a rerun
+    would start over. For estimates: a rerun also checks each loop's data (``Stage``)."""
+    folder = Path(state_dir)
+    try:
+        identity = json.loads((folder / STATE_IDENTITY).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if identity.get("code") != code_fingerprint() or not identity.get("train_size") or \
+            any(identity.get(k) != json_safe(v) for k, v in expected.items()):
+        return None
+    cost, elapsed, loops = Cost(), 0.0, []
+    while (folder / STAGE_FILE.format(len(loops) + 1)).exists():
+        try:
+            state = load_state(folder / STAGE_FILE.format(len(loops) + 1))
+        except PBEError:
+            break
+        cost.forward_backward, cost.forward = state["cost"]
+        elapsed = state["elapsed_s"]
+        loops.append({"stage": len(loops) + 1, "epochs_done": state["epoch"], "epochs": state["loop"]["epochs"]})
+        if state["epoch"] < state["loop"]["epochs"]:
+            break
+    finished = all(loop["epochs_done"] == loop["epochs"] for loop in loops)
+    if finished and (folder / RETRAIN_STATE).exists():
+        try:
+            state = load_state(folder / RETRAIN_STATE)
+        except PBEError:
+            state = None
+        if state is not None and "samples" in state:
+            cost.forward_backward += state["epoch"] * state["samples"]
+            elapsed += state["elapsed_s"]
+            loops.append({"stage": "retrain", "epochs_done": state["epoch"],
+                          "epochs": state["run"]["recipe"]["epochs"]})
+    if not loops:
+        return None
+    return StagedProgress(cost.epoch_equivalents(identity["train_size"]), elapsed, loops)
 
 
 def _type_ok(value, hint) -> bool:
@@ -303,7 +356,7 @@ class Defense(ABC):
         if state_dir is not None:
             ctx.state_dir = claim_state_dir(state_dir, {
                 "defense": self.name, "params": self.params, "seed": seed, "model": model_fingerprint(model),
-                "data": data_fingerprint(data), "code": code_fingerprint()})
+                "data": data_fingerprint(data), "train_size": train_size or len(data), "code": code_fingerprint()})
         model = copy.deepcopy(model).to(dev).eval()
         before = measure(model, evaluation)
         model, report, suspected = self._defend(model, data, ctx)

@@ -14,11 +14,10 @@ import torch
 import torch.nn as nn
 
 from pbe.data import ImageDataset
-from pbe.defenses.base import Context, Defense, fresh_copy
+from pbe.defenses.base import RETRAIN_STATE, Context, Defense, fresh_copy
 from pbe.utils import PBEError
 
 RETRAIN_RECIPE = "cpu"  # the zoo's infected models' recipe: retraining on the kept samples is then fair
-RETRAIN_STATE = "retrain.safetensors"  # in the call's state_dir: pbe.train's resumable training state
 
 
 class FilteringDefense(Defense):
