@@ -280,7 +280,7 @@ def budget_effect_markdown(rows: list[dict], cpu_rows: list[dict] | None = None)
 
 
 def paper_summary(rows: list[dict]) -> str:
-    """The published-budget table's footer: the cut's effect first, then the usual summaries."""
+    """The published-budget table's summary: the cut's effect first, then the usual summaries."""
     return "\n\n".join(part for part in (budget_effect_markdown(rows), summary_by_model(rows)) if part)
 
 
@@ -290,9 +290,9 @@ def results_table(cfg: dict | None = None) -> DefencesTable:
     if cfg and cfg.get("paper_budget"):
         return DefencesTable(RESULTS / "defenses_cifar10_paper", "Defences at their published budgets on infected "
                             "CIFAR-10 models", "python experiments/defenses_cifar10.py --paper-budget",
-                            footer=paper_summary)
+                            summarise=paper_summary)
     return DefencesTable(RESULTS / "defenses_cifar10", "Defences side by side on infected CIFAR-10 models",
-                        "python experiments/defenses_cifar10.py", footer=summary_by_model)
+                        "python experiments/defenses_cifar10.py", summarise=summary_by_model)
 
 
 CONFIG = {"set": "dev", "only": None, "defenses": list(ORDER), "paper_budget": False, "seeds": [0]}

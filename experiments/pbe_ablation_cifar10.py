@@ -177,7 +177,7 @@ VARIANTS = {
 
 class AblationTable(ResultsTable):
     note = (". ACC / ASR in %, no clean data (a clean model has no ASR). Ranking AUC: how well the final round's score "
-            "separates poison (1 = perfect). What each variant changes is listed under the table.")
+            "separates poison (1 = perfect). What each variant changes is listed before the rows.")
 
     def columns(self):
         return [("zoo", lambda r: r["zoo"]), ("variant", lambda r: r["variant"]),

@@ -34,7 +34,7 @@ def results_table(cfg: dict | None = None) -> DefenceTable:
     """This script's table for a config's dataset (``experiments/render.py`` re-renders it)."""
     dataset = (cfg or CONFIG)["dataset"]
     return DefenceTable(RESULTS / f"pbe_{dataset}", f"PBE and AFT on infected {dataset} zoo models",
-                        f"python experiments/pbe_cifar10.py --dataset {dataset}", footer=set_means_markdown)
+                        f"python experiments/pbe_cifar10.py --dataset {dataset}", summarise=set_means_markdown)
 
 
 def meets_goal(r: dict) -> bool:

@@ -67,21 +67,22 @@ def schedule_cell(r: dict) -> str:
 
 
 class ResultsTable:
-    """A JSON list of rows (one per cell, the keys of RESULTS.md), rendered beside it as a Markdown
-    table of the numbers a reader compares (commands, hardware and versions folded below it), a CSV of
-    the same columns plus those, and, where a subclass draws one, a PNG figure.
+    """A JSON list of rows (one per cell, the keys of RESULTS.md), rendered beside it as Markdown: the
+    figure and the summary a reader looks for first, where the table has them, then every row with the
+    numbers a reader compares (commands, hardware and versions folded below); a CSV of the same columns
+    plus those; and, where a subclass draws one, a PNG figure.
 
-    Subclasses change ``note`` (what the columns mean), ``columns`` and, for a summary under the table
-    or a figure, ``summary`` and ``figure``."""
+    Subclasses change ``note`` (what the columns mean), ``columns`` and, for a summary or a figure,
+    ``summary`` and ``figure``."""
 
     note = (" (cells with a row are skipped; delete a row from the JSON to rerun it). Values in %, from the JSON "
             "beside this file.")
 
     def __init__(self, path: str | Path, title: str, regenerate: str,
-                 footer: Callable[[list[dict]], str] | None = None):
-        """`footer(rows)` returns Markdown appended below the table (summaries, references)."""
+                 summarise: Callable[[list[dict]], str] | None = None):
+        """`summarise(rows)` returns the Markdown set before the rows (means, rankings, references)."""
         self.json_path = Path(path).with_suffix(".json")
-        self.title, self.regenerate, self.footer = title, regenerate, footer
+        self.title, self.regenerate, self.summarise = title, regenerate, summarise
         self.rows: list[dict] = self._read()
 
     def _read(self) -> list[dict]:
@@ -138,8 +139,8 @@ class ResultsTable:
                 ("epoch-eq.", lambda r: fixed(r.get("epoch_equivalents"))), ("wall s", lambda r: fixed(r["wall_s"], 0))]
 
     def summary(self) -> str | None:
-        """Markdown under the table (the constructor's `footer`, if any)."""
-        return None if self.footer is None else self.footer(self.rows)
+        """Markdown before the rows (the constructor's `summarise`, if any)."""
+        return None if self.summarise is None else self.summarise(self.rows)
 
     def figure(self):
         """A matplotlib figure of the rows, or None (no figure for this table)."""
@@ -155,12 +156,12 @@ class ResultsTable:
         lines = [f"# {self.title}", "", f"Regenerate: `{self.regenerate}`{self.note}", ""]
         if self.rows and type(self).figure is not ResultsTable.figure:
             lines += [f"![{self.title}]({self.json_path.with_suffix('.png').name})", ""]
+        summary = self.summary()
+        if summary:
+            lines += [summary, "", "# Every row", ""]
         lines += ["| # | " + " | ".join(h for h, _ in cols) + " |", "|---" + "|---" * len(cols) + "|"]
         for i, r in enumerate(self.rows, 1):
             lines.append(f"| {i} | " + " | ".join(str(f(r)) for _, f in cols) + " |")
-        summary = self.summary()
-        if summary:
-            lines += ["", summary]
         if self.rows:
             lines += ["", "<details><summary>Command, hardware and toolkit version of each row (every other field "
                       f"is in <code>{self.json_path.name}</code>; the table as CSV: <code>"
