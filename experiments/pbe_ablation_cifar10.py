@@ -171,6 +171,12 @@ VARIANTS = {
                    "steps, per-label counts scaled by 8 / C) instead of method 9's every label at 4 x 128: on GTSRB's "
                    "43 labels the scan is ~2.4 of the default's ~5 epoch-equivalents",
                    replace(SCHEDULES["targeted"], cheap_scan=True)),
+    "cap_target": ("targeted + round 2 takes of the suspected target's samples a typical label's share at most "
+                   "(30 % of the median label's count: the target's poison inflates its count, on GTSRB 210 clean "
+                   "samples against 3,921 poisoned, 1,239 of which balanced selection could readmit)",
+                   replace(SCHEDULES["targeted"], readmit_target="capped")),
+    "no_readmit": ("targeted + round 2 readmits none of the suspected target's samples (those round 1 moved join "
+                   "relabelled, as in targeted)", replace(SCHEDULES["targeted"], readmit_target="none")),
     "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
 }
 

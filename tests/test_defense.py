@@ -358,6 +358,12 @@ def test_given_target_targeted_pgd_and_balanced_selection(blend_model, wide_scan
     expected = torch.bincount(poisoned.labels, minlength=10).float() * 0.5
     others = torch.arange(10) != given  # the given label's share is capped by what is still allowed
     assert ((counts - expected).abs()[others] <= 1).all() and counts[given] <= expected[given] + 1
+    _, no_readmit = erase(model, poisoned, replace(s, readmit_target="none", relabel_suspected=True), seed=0,
+                          progress=False, target=given)  # the given label's samples stay out, relabelled ones aside
+    second_none = torch.tensor(no_readmit["rounds"][1]["subset_indices"])
+    assert int((poisoned.labels[second_none] == given).sum()) == no_readmit["rounds"][0]["relabelled"] < counts[given]
+    with pytest.raises(PBEError, match="readmit_target"):
+        replace(s, readmit_target="sometimes")
     _, report_untargeted = erase(model, poisoned, replace(s, pgd_targeted=False, balanced=False), seed=0,
                                  progress=False, target=given)
     second_plain = torch.tensor(report_untargeted["rounds"][1]["subset_indices"])
@@ -365,6 +371,23 @@ def test_given_target_targeted_pgd_and_balanced_selection(blend_model, wide_scan
     for bad in (-1, 10, 1.5):
         with pytest.raises(PBEError, match="target"):
             erase(model, poisoned, s, seed=0, progress=False, target=bad)
+
+
+def test_balanced_selection_caps_a_label_the_poison_inflates():
+    """least_suspicious: balanced, every label gives the same share of its samples, least suspicious first,
+    refused ones never; a `capped` label (the suspected target, whose count the poison inflates: GTSRB's
+    210 clean and 3,921 poisoned) gives that share of the median other label's count at most."""
+    from pbe.defenses.pbe import least_suspicious
+    labels = torch.cat([torch.zeros(100, dtype=torch.long), torch.arange(1, 5).repeat_interleave(20)])
+    score = torch.rand(len(labels), generator=torch.Generator().manual_seed(0))
+    score[:30] = float("inf")  # refused
+    plain = least_suspicious(score, labels, 0.5, balanced=True)
+    assert torch.bincount(labels[plain]).tolist() == [50, 10, 10, 10, 10]
+    capped = least_suspicious(score, labels, 0.5, balanced=True, capped=0)
+    assert torch.bincount(labels[capped]).tolist() == [10, 10, 10, 10, 10]
+    zero = capped[labels[capped] == 0]
+    assert torch.isfinite(score[zero]).all() and score[zero].max() <= score[30:100].sort().values[9]
+    assert torch.equal(least_suspicious(score, labels, 0.5, balanced=True, capped=3), plain)  # not inflated
 
 
 def _universal_calls(blend_model, schedule, target=None):

@@ -32,6 +32,7 @@ from pbe.utils import PBEError
 
 
 WHOLE_LABEL_MODES = ("off", "trigger", "refuse", "exclude")
+READMIT_MODES = ("predicted", "capped", "none")
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,14 @@ class Schedule:
     before every later round, on the model being purified: the budget that still reaches the target).
     None of these does anything when no label is suspected. `balanced` (every later subset takes the
     same share of each label's samples, least suspicious first, so that selection cannot tilt the
-    classes). `relabel_suspected` (samples of the suspected label whose prediction the purification
-    moved to another label, with at least ``RELABEL_CONFIDENCE``, join the next round with that label:
-    real triggered images with their estimated true labels, so the trigger itself is unlearned),
+    classes). `readmit_target`: which of the suspected target's samples, refused in round 1, later rounds
+    may take: "predicted" those the purified model still assigns to it; "capped" those, a typical label's
+    share at most (of the median label's count: an all-to-one backdoor's poison inflates the target, and on
+    GTSRB, whose target has 210 clean samples against 3,921 poisoned, round 2 may otherwise take 1,239 of
+    them); "none" none (relabelled ones aside). `relabel_suspected` (samples of the suspected label whose
+    prediction the purification moved to another label, with at least ``RELABEL_CONFIDENCE``, join the
+    next round with that label: real triggered images with their estimated true labels, so the trigger
+    itself is unlearned),
     `family_from_scan` (of several universal families, only the one whose detection scan named the
     target is unlearned, with the whole universal share: "universal" -> the additive kinds, "warp" ->
     warp; all of them when another statistic or a given target decided). `target_top_label` (the
@@ -112,6 +118,7 @@ class Schedule:
     pgd_targeted: bool = False
     universal_reach: float = 0.0
     balanced: bool = False
+    readmit_target: str = "predicted"  # or "capped" (a typical label's share at most) or "none"
     relabel_suspected: bool = False
     family_from_scan: bool = False  # keep only the universal family whose scan named the target
     target_top_label: bool = False  # act on the scan's top label even when its p-value is not significant,
@@ -146,6 +153,8 @@ class Schedule:
                            f"{self.universal_share}")
         if not 0 <= self.universal_reach <= 1:
             raise PBEError(f"universal_reach must be in [0, 1], got {self.universal_reach}")
+        if self.readmit_target not in READMIT_MODES:
+            raise PBEError(f"schedule readmit_target must be one of {READMIT_MODES}, got {self.readmit_target!r}")
         if self.whole_label not in WHOLE_LABEL_MODES:
             raise PBEError(f"schedule whole_label must be one of {WHOLE_LABEL_MODES}, got {self.whole_label!r}")
         if self.universal is not None and self.adv_share + self.universal_share > 1:
@@ -348,16 +357,23 @@ def trigger_reach(model: nn.Module, trigger: EstimatedTrigger, data: ImageDatase
     return round(float((predict(model, x) == target).float().mean()), 4)
 
 
-def least_suspicious(score: torch.Tensor, labels: torch.Tensor, fraction: float, balanced: bool) -> torch.Tensor:
+def least_suspicious(score: torch.Tensor, labels: torch.Tensor, fraction: float, balanced: bool,
+                     capped: int | None = None) -> torch.Tensor:
     """Indices of the `fraction` of all samples with the lowest `score` (``inf`` = refused), sorted;
-    `balanced`: that fraction of every label's samples, so that the subset keeps the classes' shares."""
+    `balanced`: that fraction of every label's samples, so that the subset keeps the classes' shares;
+    `capped` (balanced only): a label whose count the poison inflates (the suspected target of an all-to-one
+    backdoor) gets that fraction of the median count of the other labels at most, so that its poison
+    cannot buy it a larger share (GTSRB's label 0: 210 clean samples, 3,921 poisoned)."""
     if not balanced:
         k = min(int(torch.isfinite(score).sum()), max(1, round(fraction * len(score))))
         return score.topk(k, largest=False).indices.sort().values
+    counts = torch.bincount(labels)
+    typical = None if capped is None else counts[(counts > 0) & (torch.arange(len(counts)) != capped)].median()
     picked = []
     for c in labels.unique():
         idx = (labels == c).nonzero().flatten()
-        k = min(int(torch.isfinite(score[idx]).sum()), round(fraction * len(idx)))
+        size = min(len(idx), int(typical)) if c == capped and typical is not None else len(idx)
+        k = min(int(torch.isfinite(score[idx]).sum()), round(fraction * size))
         picked.append(idx[score[idx].topk(k, largest=False).indices])
     return torch.cat(picked).sort().values
 
@@ -499,7 +515,8 @@ class PBE(Defense):
         pool = allowed.nonzero().flatten()
         subset = pool[torch.randperm(len(pool), generator=ctx.gen)[:max(1, round(s.fractions[0] * n))]].sort().values
         stopped, trained = False, torch.zeros(n, dtype=torch.bool)
-        readmit = not (whole and s.whole_label == "exclude")  # the refused target's samples may come back
+        # the refused target's samples may come back
+        readmit = not (whole and s.whole_label == "exclude") and s.readmit_target != "none"
         train_view = data  # the training labels PBE fine-tunes with (relabel_suspected changes some)
         for t in range(len(s.fractions)):
             if t and calibrate and s.recalibrate:  # the purified model: the budget that still reaches the target
@@ -546,8 +563,9 @@ class PBE(Defense):
             if t + 1 < len(s.fractions):
                 if iso is None and s.refuse_suspected and target is not None and readmit:  # unless the model says so
                     allowed = (data.labels != target) | (z.argmax(1) == target)
+                capped = target if s.readmit_target == "capped" and iso is None and not whole else None
                 subset = least_suspicious(suspicion.masked_fill(~allowed, float("inf")), data.labels,
-                                          s.fractions[t + 1], s.balanced)
+                                          s.fractions[t + 1], s.balanced, capped)
                 if s.relabel_suspected and suspect is not None and not whole:
                     prob, pred = z.softmax(1).max(1)
                     moved = suspect & (pred != data.labels) & (prob >= RELABEL_CONFIDENCE)
