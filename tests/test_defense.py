@@ -390,6 +390,19 @@ def test_balanced_selection_caps_a_label_the_poison_inflates():
     assert torch.equal(least_suspicious(score, labels, 0.5, balanced=True, capped=3), plain)  # not inflated
 
 
+def test_readmit_auto_leaves_out_a_target_its_poison_inflates_beyond_readmit_inflation():
+    """readmit_target="auto": "none" where the target holds more than READMIT_INFLATION times the median other
+    label's samples (GTSRB's 7.6), "predicted" at or below it (CIFAR-10's 2.25) and where no target is named;
+    the other modes act as named."""
+    from pbe.defenses.pbe import READMIT_INFLATION, readmit_mode
+    others = torch.arange(1, 5).repeat_interleave(20)
+    for held, mode in ((int(READMIT_INFLATION * 20) + 1, "none"), (int(READMIT_INFLATION * 20), "predicted"),
+                       (45, "predicted")):
+        labels = torch.cat([torch.zeros(held, dtype=torch.long), others])
+        assert readmit_mode("auto", labels, 0) == mode
+        assert readmit_mode("auto", labels, None) == "predicted" and readmit_mode("capped", labels, 0) == "capped"
+
+
 def _universal_calls(blend_model, schedule, target=None):
     """PBE with `schedule` on the digits Blend model: (report, the config of every universal
     perturbation optimised, in order)."""
