@@ -11,6 +11,10 @@ only taken up by the code that wrote it (``pbe.utils.code_fingerprint``): run th
 
     python experiments/carry.py save       # before the session ends, then commit experiments/staged/
     python experiments/carry.py restore    # on a fresh checkout, before rerunning the cells
+    python experiments/carry.py rows OTHER/experiments/results/TABLE.json   # rows another checkout made
+
+``rows`` adds to this checkout's table of that name the rows it lacks (a cell run from another checkout,
+e.g. of an older commit), rendered by this checkout's code; the rows it has stay as they are.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from common import HERE, RUNS
 from grid import script_main
 
 from pbe.rundir import MANIFEST, staging
+from pbe.utils import PBEError
 
 STORE = HERE / "staged"  # committed: one folder per unfinished cell, named as its --out under runs/
 PARTIAL = ".partial"
@@ -82,13 +87,34 @@ def restore(runs: Path = RUNS, store: Path = STORE) -> list[Path]:
     return restored
 
 
+def add_missing(table, rows: list[dict]) -> list[dict]:
+    """Add to `table` (a ``ResultsTable``) the `rows` whose cell it has no row for; returns those."""
+    added = [r for r in rows if table.find(**r) is None]
+    for r in added:
+        table.add(r)
+    return added
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("action", choices=("save", "restore"))
+    ap.add_argument("action", choices=("save", "restore", "rows"))
+    ap.add_argument("table", nargs="?", type=Path, help="rows: another checkout's results JSON")
     ap.add_argument("--runs", type=Path, default=RUNS, help="the run folders (default: runs/, or $PBE_RUNS)")
     ap.add_argument("--store", type=Path, default=STORE, help="the committed copies (default: experiments/staged)")
     args = ap.parse_args()
-    (save if args.action == "save" else restore)(args.runs, args.store)
+    if args.action != "rows":
+        (save if args.action == "save" else restore)(args.runs, args.store)
+        return
+    import json
+
+    from render import tables
+    if args.table is None or not args.table.is_file():
+        raise PBEError(f"carry.py rows needs another checkout's results JSON, got {args.table}")
+    mine = tables().get(args.table.stem)
+    if mine is None:
+        raise PBEError(f"no table here is named {args.table.stem!r}; see experiments/results/")
+    for r in add_missing(mine, json.loads(args.table.read_text())):
+        print(f"added {r.get('zoo') or r.get('attack')} {r.get('defense')} seed {r.get('seed')} to {mine.json_path}")
 
 
 if __name__ == "__main__":

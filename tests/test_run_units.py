@@ -229,3 +229,24 @@ def test_a_staged_state_carried_to_a_fresh_checkout_resumes(attacked, driver, st
     assert rundir.sha256(out / "model.safetensors") == rundir.sha256(strip_whole / "model.safetensors")
     assert carry.restore(runs, store) == [] and not rundir.staging(out).exists()  # the cell finished here
     assert carry.save(runs, store) == [] and not (store / "cell" / "strip_seed0").exists()
+
+
+def test_rows_made_in_another_checkout_join_the_table_without_reordering_it(tmp_path, monkeypatch):
+    """carry.add_missing: only the rows whose cell the table lacks are added; the rows it has keep their
+    place and content."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "experiments"))
+    import carry
+
+    from pbe.results import REQUIRED, ResultsTable
+
+    def row(seed, acc):
+        return {**{k: None for k in REQUIRED}, "dataset": "toy", "defense": "ft", "seed": seed, "acc": acc,
+                "asr": 0.0, "ra": 1.0, "wall_s": 1.0, "command": "x"}
+    mine = ResultsTable(tmp_path / "t", "T", "x")
+    mine.add(row(1, 0.5))
+    mine.add(row(0, 0.5))
+    other = [row(0, 0.9), row(1, 0.9), row(2, 0.9)]  # the same cells made elsewhere, and one more
+    assert carry.add_missing(mine, other) == [other[2]]
+    kept = ResultsTable(tmp_path / "t", "T", "x").rows
+    assert [(r["seed"], r["acc"]) for r in kept] == [(1, 0.5), (0, 0.5), (2, 0.9)]
