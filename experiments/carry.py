@@ -25,16 +25,15 @@ from pathlib import Path
 from common import HERE, RUNS
 from grid import script_main
 
-from pbe.rundir import MANIFEST, staging
+from pbe.rundir import MANIFEST, STAGED, staged_out, staging
 from pbe.utils import PBEError
 
 STORE = HERE / "staged"  # committed: one folder per unfinished cell, named as its --out under runs/
-PARTIAL = ".partial"
 
 
-def _out_of(partial: Path) -> Path:
-    """The --out folder that a staging folder ``.NAME.partial`` stages."""
-    return partial.with_name(partial.name[1:-len(PARTIAL)])
+def _staging_folders(root: Path) -> list[Path]:
+    """The staging folders under `root` (each names the run it stages in its ``STAGED`` file)."""
+    return sorted(p.parent for p in Path(root).rglob(STAGED))
 
 
 def _replace(src: Path, dest: Path) -> None:
@@ -54,15 +53,13 @@ def save(runs: Path = RUNS, store: Path = STORE) -> list[Path]:
     """Copy every staging folder under `runs` into `store`; drop the copies whose cell has finished in
     `runs` (its folder has a manifest). Returns the cells saved."""
     saved = []
-    for partial in sorted(Path(runs).rglob(f".*{PARTIAL}")):
-        if not partial.is_dir():
-            continue
-        dest = store / _out_of(partial).relative_to(runs)
+    for partial in _staging_folders(runs):
+        dest = store / staged_out(partial).relative_to(runs)
         dest.parent.mkdir(parents=True, exist_ok=True)
         _replace(partial, dest)
         saved.append(dest)
         print(f"saved {partial} -> {dest} ({_size_mb(dest):.1f} MB)")
-    for carried in sorted(p.parent for p in store.rglob(".staged.json")):
+    for carried in _staging_folders(store):
         out = Path(runs) / carried.relative_to(store)
         if (out / MANIFEST).is_file():
             shutil.rmtree(carried)
@@ -74,7 +71,7 @@ def restore(runs: Path = RUNS, store: Path = STORE) -> list[Path]:
     """Copy the carried staging folders back under `runs`, where neither a staging folder nor a finished
     run of that cell exists. Returns the staging folders restored."""
     restored = []
-    for carried in sorted(p.parent for p in store.rglob(".staged.json")):
+    for carried in _staging_folders(store):
         out = Path(runs) / carried.relative_to(store)
         partial = staging(out)
         if partial.exists() or (out / MANIFEST).is_file():

@@ -37,9 +37,17 @@ def _side(out: Path, tag: str) -> Path:
     return out.parent / f".{out.name}.{tag}"
 
 
+PARTIAL = "partial"  # the staging folder's tag: .NAME.partial
+
+
 def staging(out: str | os.PathLike) -> Path:
     """Where a command writes before its unit is swapped into `out`."""
-    return _side(Path(out), "partial")
+    return _side(Path(out), PARTIAL)
+
+
+def staged_out(stage: Path) -> Path:
+    """The `out` a staging folder stages (``staging``'s inverse)."""
+    return stage.with_name(stage.name[1:-len(PARTIAL) - 1])
 
 
 def stage_for(out: str | os.PathLike, run: dict, replace: bool) -> Path:

@@ -397,7 +397,7 @@ def least_suspicious(score: torch.Tensor, labels: torch.Tensor, fraction: float,
     picked = []
     for c in labels.unique():
         idx = (labels == c).nonzero().flatten()
-        size = min(len(idx), int(typical)) if c == capped and typical is not None else len(idx)
+        size = min(len(idx), int(typical)) if typical is not None and c == capped else len(idx)
         k = min(int(torch.isfinite(score[idx]).sum()), round(fraction * size))
         picked.append(idx[score[idx].topk(k, largest=False).indices])
     return torch.cat(picked).sort().values
