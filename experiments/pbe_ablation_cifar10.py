@@ -37,7 +37,8 @@ T3 = replace(T2, early_stop=False)
 UNI_WARP = UniversalConfig(kind="warp", eps=0.5, size=4)  # a WaNet-shaped field: 4x4 control grid, 0.5 px
 # Neural Cleanse's trigger, 1 % of the pixels
 UNI_MASK = UniversalConfig(kind="mask", eps=0.01, epochs=4, batch_size=16)
-TARGETED_V6 = replace(SCHEDULES["targeted"], verify_named=False)  # before the check of a named target's cluster
+TARGETED_V7 = replace(SCHEDULES["targeted"], readmit_target="predicted")  # before "auto" readmission joined it
+TARGETED_V6 = replace(TARGETED_V7, verify_named=False)  # before the check of a named target's cluster
 TARGETED_V5 = replace(TARGETED_V6, whole_label="off")  # before the whole-label test joined it
 TARGETED_V4 = replace(TARGETED_V5, relabel_all_isolated=False)  # before every isolated sample was relabelled
 TARGETED_V3 = replace(TARGETED_V4, isolate=False)  # the default before isolation joined it
@@ -167,20 +168,21 @@ VARIANTS = {
                         "with other seeds 0.7-1.9 %: that was one lucky sample)",
                         TARGETED_V2.with_universals((UNI_MASK,))),
     "t2_pgdt_oracle": ("t2_pgdt given the true target (oracle: the erasure alone)", T2_PGDT),
-    "cheap_scan": ("targeted with its scan at pbe.detect's own cost (detection method 10: 2 passes of 16-image "
-                   "steps, per-label counts scaled by 8 / C) instead of method 9's every label at 4 x 128: on GTSRB's "
-                   "43 labels the scan is ~2.4 of the default's ~5 epoch-equivalents",
-                   replace(SCHEDULES["targeted"], cheap_scan=True)),
-    "cap_target": ("targeted + round 2 takes of the suspected target's samples a typical label's share at most "
+    "cheap_scan": ("targeted_v7 (the default before readmit_auto) with its scan at pbe.detect's own cost "
+                   "(detection method 10: 2 passes of 16-image steps, per-label counts scaled by 8 / C) instead of "
+                   "method 9's every label at 4 x 128: on GTSRB's 43 labels the scan is ~2.4 of the default's ~5 "
+                   "epoch-equivalents", replace(TARGETED_V7, cheap_scan=True)),
+    "cap_target": ("targeted_v7 + round 2 takes of the suspected target's samples a typical label's share at most "
                    "(30 % of the median label's count: the target's poison inflates its count, on GTSRB 210 clean "
                    "samples against 3,921 poisoned, 1,239 of which balanced selection could readmit)",
-                   replace(SCHEDULES["targeted"], readmit_target="capped")),
-    "no_readmit": ("targeted + round 2 readmits none of the suspected target's samples (those round 1 moved join "
-                   "relabelled, as in targeted)", replace(SCHEDULES["targeted"], readmit_target="none")),
-    "readmit_auto": ("targeted + round 2 readmits none of the suspected target's samples where that label holds more "
-                     "than READMIT_INFLATION (4) times the median label's samples (GTSRB at 10 %: 7.6, as no_readmit), "
-                     "and those the purified model still assigns to it elsewhere (CIFAR-10 at 10 %: 2.25, as targeted)",
-                     replace(SCHEDULES["targeted"], readmit_target="auto")),
+                   replace(TARGETED_V7, readmit_target="capped")),
+    "no_readmit": ("targeted_v7 + round 2 readmits none of the suspected target's samples (those round 1 moved "
+                   "join relabelled, as in targeted_v7)", replace(TARGETED_V7, readmit_target="none")),
+    "readmit_auto": ("targeted_v7 + round 2 readmits none of the suspected target's samples where that label holds "
+                     "more than READMIT_INFLATION (4) times the median label's samples (GTSRB at 10 %: 7.6, as "
+                     "no_readmit), and those the purified model still assigns to it elsewhere (CIFAR-10 at 10 %: "
+                     "2.25, as targeted_v7): the default (targeted) since 2026-12-07",
+                     replace(TARGETED_V7, readmit_target="auto")),
     "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
 }
 
