@@ -210,21 +210,27 @@ def code_fingerprint() -> str:
 def toolkit_version() -> str:
     """Package version plus the git commit when run from a checkout, and ".dirty" when the library's
     code (``pbe/``, ``attacks/``) differs from that commit: a row made by uncommitted code says so."""
-    import subprocess
-
     from pbe import __version__
 
-    root = Path(__file__).resolve().parent.parent
-    head = root / ".git" / "HEAD"
+    return __version__ + checkout_suffix(Path(__file__).resolve().parent.parent)
+
+
+def checkout_suffix(root: Path) -> str:
+    """``"+g<commit>"`` (10 hex digits) of the git checkout or worktree whose top is `root`, plus ``".dirty"``
+    where its ``pbe/`` or ``attacks/`` differ from that commit; ``""`` where `root` is no checkout's top
+    (an installed package) or git cannot tell."""
+    import subprocess
+
+    if not (root / ".git").exists():  # a folder in a checkout, a file ("gitdir: ...") in a worktree
+        return ""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
     try:
-        ref = head.read_text().strip()
-        if ref.startswith("ref: "):
-            ref = (head.parent / ref[5:]).read_text().strip()
-    except OSError:
-        return __version__
-    try:
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "pbe", "attacks"],
-                                 cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        ref = git("rev-parse", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", "pbe", "attacks")
     except (OSError, subprocess.SubprocessError):
-        changed = ""
-    return f"{__version__}+g{ref[:10]}" + (".dirty" if changed else "")
+        return ""
+    return f"+g{ref[:10]}" + (".dirty" if changed else "")

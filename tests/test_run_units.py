@@ -250,3 +250,28 @@ def test_rows_made_in_another_checkout_join_the_table_without_reordering_it(tmp_
     assert carry.add_missing(mine, other) == [other[2]]
     kept = ResultsTable(tmp_path / "t", "T", "x").rows
     assert [(r["seed"], r["acc"]) for r in kept] == [(1, 0.5), (0, 0.5), (2, 0.9)]
+
+
+def test_the_version_names_the_commit_in_a_checkout_and_in_a_worktree_and_says_dirty(tmp_path):
+    """A row records the commit of the code that made it: from a checkout's top and from a `git worktree`'s
+    (whose .git is a file), with ".dirty" once pbe/ differs from it, and nothing outside a checkout."""
+    from pbe.utils import checkout_suffix
+
+    def git(*args, cwd=tmp_path / "repo"):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    (tmp_path / "repo" / "pbe").mkdir(parents=True)
+    (tmp_path / "repo" / "pbe" / "a.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", "pbe")
+    git("commit", "-qm", "c")
+    head = git("rev-parse", "HEAD")
+    git("worktree", "add", "-q", "--detach", str(tmp_path / "tree"), "HEAD")
+    assert (tmp_path / "tree" / ".git").is_file()
+    for top in (tmp_path / "repo", tmp_path / "tree"):
+        assert checkout_suffix(top) == f"+g{head[:10]}"
+        (top / "pbe" / "a.py").write_text("x = 2\n")
+        assert checkout_suffix(top) == f"+g{head[:10]}.dirty"
+    assert checkout_suffix(tmp_path / "repo" / "pbe") == ""  # a folder inside a checkout is not its top
+    assert checkout_suffix(tmp_path) == ""

@@ -624,14 +624,16 @@ def decisions(report: dict) -> dict:
     """What a PBE run decided, from its report, for a reader: the target it acted on (None: none named),
     the scan's top label and robust z, the labels whose poison the isolation confirmed (and those flagged
     only as a class prototype), the samples it isolated, and per round the check of a named target's
-    cluster (``verify_named``) and whether the run switched to the isolation's path."""
+    cluster (``verify_named``), whether the run switched to the isolation's path, and which of the refused
+    target's samples later rounds could readmit (``readmit_target`` as it acted: "predicted", "capped", "none")."""
     scan, iso = report.get("scan") or {}, report.get("isolation")
     iso = iso if isinstance(iso, dict) else {}
     return {"target": report.get("target"), "scan_top_label": scan.get("top_label"), "scan_z": scan.get("score"),
             "isolation_flagged": iso.get("flagged"), "isolation_prototypes": iso.get("prototypes"),
             "isolated": iso.get("suspected"), "whole_label": iso.get("whole_label"),
             "trigger_reach": [r.get("trigger_reach") for r in report.get("rounds", [])],
-            "switched_to_isolation": any(r.get("switched_to_isolation") for r in report.get("rounds", []))}
+            "switched_to_isolation": any(r.get("switched_to_isolation") for r in report.get("rounds", [])),
+            "readmit_target": report.get("readmit_target")}
 
 
 def erase(model: nn.Module, train_set: ImageDataset, schedule: str | Schedule = DEFAULT_SCHEDULE, *, seed: int = 0,
