@@ -92,6 +92,23 @@ def add_missing(table, rows: list[dict]) -> list[dict]:
     return added
 
 
+def rows(other: Path) -> list[dict]:
+    """Add to this checkout's table named as `other` (another checkout's results JSON) the rows it lacks,
+    rendered by this checkout's code; returns those."""
+    import json
+
+    from render import tables
+    if other is None or not other.is_file():
+        raise PBEError(f"carry.py rows needs another checkout's results JSON, got {other}")
+    mine = tables().get(other.stem)
+    if mine is None:
+        raise PBEError(f"no table here is named {other.stem!r}; see experiments/results/")
+    added = add_missing(mine, json.loads(other.read_text()))
+    for r in added:
+        print(f"added {r.get('zoo') or r.get('attack')} {r.get('defense')} seed {r.get('seed')} to {mine.json_path}")
+    return added
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("action", choices=("save", "restore", "rows"))
@@ -99,20 +116,10 @@ def main() -> None:
     ap.add_argument("--runs", type=Path, default=RUNS, help="the run folders (default: runs/, or $PBE_RUNS)")
     ap.add_argument("--store", type=Path, default=STORE, help="the committed copies (default: experiments/staged)")
     args = ap.parse_args()
-    if args.action != "rows":
+    if args.action == "rows":
+        rows(args.table)
+    else:
         (save if args.action == "save" else restore)(args.runs, args.store)
-        return
-    import json
-
-    from render import tables
-    if args.table is None or not args.table.is_file():
-        raise PBEError(f"carry.py rows needs another checkout's results JSON, got {args.table}")
-    mine = tables().get(args.table.stem)
-    if mine is None:
-        raise PBEError(f"no table here is named {args.table.stem!r}; see experiments/results/")
-    for r in add_missing(mine, json.loads(args.table.read_text())):
-        print(f"added {r.get('zoo') or r.get('attack')} {r.get('defense')} seed {r.get('seed')} to {mine.json_path}")
-
 
 if __name__ == "__main__":
     script_main(main)
