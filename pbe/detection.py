@@ -234,7 +234,8 @@ def reached(model: nn.Module, fit_x: torch.Tensor, fit_y: torch.Tensor, held_x: 
 def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float = SCAN_L2_RMS,
            epochs: int = SCAN_EPOCHS, alpha: float = ALPHA, seed: int = 0, train_data=None,
            warp_shift: float = WARP_SHIFT, pgd_eps: float = 0.0, held_out: int | None = None,
-           label_budget: int | None = BUDGET_LABELS, batch_size: int = SCAN_BATCH) -> Detection:
+           label_budget: int | None = BUDGET_LABELS, batch_size: int = SCAN_BATCH,
+           scale_held_out: bool = True) -> Detection:
     """Scan every label of `model` with `dataset`'s images (the test set, or the possibly poisoned
     training set: no trigger, no clean data needed); with `train_data` (the labelled training set,
     `dataset` then being the test set) also the clean-label test; `warp_shift` the warp scan's budget
@@ -242,7 +243,8 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
     `images` fit each label's perturbation and `held_out` (default: as many) measure it; with more than
     `label_budget` classes these counts (and the gap's per-label sample, and the held-out images of each
     cluster's trigger) are scaled by ``label_budget / C``, so that the cost stays that of `label_budget`
-    labels (None: never scaled). See the module docstring.
+    labels (None: never scaled); `scale_held_out` False keeps `held_out` as given (measuring is forward passes
+    only, and the rates' noise floor grows as it shrinks). See the module docstring.
 
     Example::
 
@@ -272,7 +274,7 @@ def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float =
     def scaled(count: int) -> int:
         """A per-label count shared out over the labels (at least one image per label)."""
         return max(k, round(count * scale))
-    images, held_out = scaled(images), scaled(held_out)
+    images, held_out = scaled(images), scaled(held_out) if scale_held_out else held_out
     gen = torch.Generator().manual_seed(seed)
     pick = torch.randperm(len(dataset), generator=gen)[:images + held_out]
     x, y = dataset.images[pick], dataset.labels[pick]

@@ -255,6 +255,11 @@ def test_universal_detection_names_the_target_and_spares_the_clean_model(blend_m
     half = scan(model, digits[1], images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS, label_budget=5)
     assert full.images == 2 * DIGITS_SCAN_IMAGES and half.images == DIGITS_SCAN_IMAGES
     assert half.forward_backward < 0.6 * full.forward_backward and half.top_label == attack.target
+    # ... but with scale_held_out=False the measuring images stay as given: same fitting cost, more forward passes
+    kept = scan(model, digits[1], images=DIGITS_SCAN_IMAGES, l2_rms=DIGITS_SCAN_L2_RMS, label_budget=5,
+                scale_held_out=False)
+    assert kept.images == DIGITS_SCAN_IMAGES // 2 + DIGITS_SCAN_IMAGES and kept.forward > half.forward
+    assert kept.forward_backward == half.forward_backward and kept.top_label == attack.target
 
 
 def test_per_image_probe_is_a_second_statistic_with_a_bonferroni_correction(blend_model, digits):
@@ -630,3 +635,29 @@ def test_cheap_scan_runs_pbes_target_scan_at_detects_own_cost(blend_model):
     full = scan(model, poisoned, l2_rms=DIGITS_SCAN_L2_RMS, seed=0, **defense.SCAN_BUDGET)
     assert scans[False]["forward_backward"] == full.forward_backward and scans[False]["rates"] == full.rates
     assert scans[True]["forward_backward"] < scans[False]["forward_backward"]
+
+
+def test_scan_labels_shares_pbes_scan_budget_out_over_more_labels(blend_model):
+    """scan_labels: with more labels than it, the scan fits each label's perturbation on that many labels'
+    images shared out, with the steps (batches scaled alike) and the held-out images kept; with as many
+    labels or fewer it is SCAN_BUDGET itself; PBE's scan is the one ``scan_budget`` describes."""
+    from dataclasses import replace
+
+    import pbe.defenses.pbe as defense
+    from pbe.detection import detect as scan
+    model, _, poisoned = blend_model
+    k = poisoned.num_classes
+    s = replace(DIGITS_SCHEDULE, refuse_suspected=True, early_stop=False, scan_l2_rms=DIGITS_SCAN_L2_RMS,
+                fractions=(0.2,), epochs=(1,), adv_batches=(None,))
+    assert defense.scan_budget(replace(s, scan_labels=k), k) == defense.SCAN_BUDGET
+    shared = defense.scan_budget(replace(s, scan_labels=k // 2), k)
+    assert shared["label_budget"] == k // 2 and not shared["scale_held_out"]
+    assert shared["batch_size"] == round(defense.SCAN_BUDGET["batch_size"] / 2)
+    _, report = erase(model, poisoned, replace(s, scan_labels=k // 2), seed=0, progress=False)
+    direct = scan(model, poisoned, l2_rms=DIGITS_SCAN_L2_RMS, seed=0, **shared)
+    full = scan(model, poisoned, l2_rms=DIGITS_SCAN_L2_RMS, seed=0, **defense.SCAN_BUDGET)
+    assert report["scan"]["rates"] == direct.rates and report["scan"]["forward_backward"] == direct.forward_backward
+    assert direct.forward_backward < 0.6 * full.forward_backward and direct.forward == full.forward
+    for bad in (1, 2.5):
+        with pytest.raises(PBEError, match="scan_labels"):
+            replace(s, scan_labels=bad)

@@ -137,6 +137,7 @@ class Schedule:
     recalibrate: bool = False  # universal_reach: re-calibrate the budget on the purified model before each round
     scan_l2_rms: float = SCAN_L2_RMS  # the detection scan's budget (``pbe.detection``)
     cheap_scan: bool = False  # the scan at ``pbe.detect``'s own cost (method 10) instead of SCAN_BUDGET's
+    scan_labels: int | None = None  # more labels than this: SCAN_BUDGET's fitting images shared out (scan_budget)
 
     def __post_init__(self):
         n = len(self.fractions)
@@ -159,6 +160,8 @@ class Schedule:
             raise PBEError(f"schedule readmit_target must be one of {READMIT_MODES}, got {self.readmit_target!r}")
         if self.whole_label not in WHOLE_LABEL_MODES:
             raise PBEError(f"schedule whole_label must be one of {WHOLE_LABEL_MODES}, got {self.whole_label!r}")
+        if self.scan_labels is not None and not (isinstance(self.scan_labels, int) and self.scan_labels >= 2):
+            raise PBEError(f"schedule scan_labels must be None or an int >= 2, got {self.scan_labels!r}")
         if self.universal is not None and self.adv_share + self.universal_share > 1:
             raise PBEError("adv_share + universal_share must be <= 1 (they are disjoint parts of a batch)")
 
@@ -314,6 +317,23 @@ def adversarial_finetune(model: nn.Module, data: ImageDataset, epochs: int, adv_
 # the target scan's budget: detection method 9's (every label, 4 passes of 128-image steps), which every PBE row
 # was measured with; `pbe.detect`'s own default is cheaper (pbe.detection.BUDGET_LABELS, SCAN_EPOCHS, SCAN_BATCH)
 SCAN_BUDGET = {"epochs": 4, "batch_size": 128, "label_budget": None}
+
+
+def scan_budget(s: Schedule, num_classes: int) -> dict:
+    """``pbe.detect``'s budget arguments for the target scan under `s` on `num_classes` labels: SCAN_BUDGET
+    (`cheap_scan`: detect's own); with more than `s.scan_labels` labels, its fitting images and each step's
+    batch are those of `s.scan_labels` labels shared out (the steps and the held-out images stay, so the
+    optimisation and the rates' precision do: the cost is what fits the perturbations, 2 families x 4 passes
+    per label, GTSRB's 43 labels ~2.2 of 4.9 epoch-equivalents)."""
+    if s.cheap_scan:
+        return {}
+    if s.scan_labels is None or s.scan_labels >= num_classes:
+        return SCAN_BUDGET
+    share = s.scan_labels / num_classes
+    return {**SCAN_BUDGET, "label_budget": s.scan_labels, "scale_held_out": False,
+            "batch_size": max(1, round(SCAN_BUDGET["batch_size"] * share))}
+
+
 SCAN_FAMILIES = {"universal": ("l2", "linf", "patch"), "warp": ("warp",)}  # detection evidence -> universal kinds
 RELABEL_CONFIDENCE = 0.8  # softmax probability the purified model must give a moved sample's new label
 # verify_named: the share of held-out images of other labels that a confirmed cluster's estimated trigger must
@@ -492,9 +512,9 @@ class PBE(Defense):
         allowed, target, flagged, from_scan = torch.ones(n, dtype=torch.bool), self.params["target"], False, False
         if target is not None and target >= data.num_classes:
             raise PBEError(f"pbe: target {target} is not a label of the data ({data.num_classes} classes)")
-        scan_budget = {} if s.cheap_scan else SCAN_BUDGET  # the scan's (and the early stop's rescans')
+        budget = scan_budget(s, data.num_classes)  # the scan's (and the early stop's rescans')
         if s.refuse_suspected or s.universal_target or s.pgd_targeted:
-            scan = detect(original, data, l2_rms=s.scan_l2_rms, seed=ctx.seed, **scan_budget)
+            scan = detect(original, data, l2_rms=s.scan_l2_rms, seed=ctx.seed, **budget)
             ctx.cost.forward_backward += scan.forward_backward
             ctx.cost.forward += scan.forward
             report["scan"] = scan.as_dict()
@@ -571,7 +591,7 @@ class PBE(Defense):
             # before and no longer does
             if s.early_stop and t + 1 < len(s.fractions):
                 if flagged:  # re-measure only the statistic that flagged it (the per-image probe costs most)
-                    rescan = detect(model, data, l2_rms=s.scan_l2_rms, seed=ctx.seed, **scan_budget,
+                    rescan = detect(model, data, l2_rms=s.scan_l2_rms, seed=ctx.seed, **budget,
                                     warp_shift=WARP_SHIFT if scan.evidence == "warp" else 0.0)
                     ctx.cost.forward_backward += rescan.forward_backward
                     ctx.cost.forward += rescan.forward
