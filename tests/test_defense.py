@@ -661,3 +661,10 @@ def test_scan_labels_shares_pbes_scan_budget_out_over_more_labels(blend_model):
     for bad in (1, 2.5):
         with pytest.raises(PBEError, match="scan_labels"):
             replace(s, scan_labels=bad)
+    # scan_epochs / scan_batch: fewer passes of smaller steps over every fitting image, shared out alike
+    assert defense.scan_budget(replace(s, scan_epochs=1, scan_batch=16), k) == {
+        **defense.SCAN_BUDGET, "epochs": 1, "batch_size": 16}
+    assert defense.scan_budget(replace(s, scan_epochs=1, scan_batch=16, scan_labels=k // 2), k)["batch_size"] == 8
+    for name in ("scan_epochs", "scan_batch"):
+        with pytest.raises(PBEError, match=name):
+            replace(s, **{name: 0})

@@ -138,6 +138,8 @@ class Schedule:
     scan_l2_rms: float = SCAN_L2_RMS  # the detection scan's budget (``pbe.detection``)
     cheap_scan: bool = False  # the scan at ``pbe.detect``'s own cost (method 10) instead of SCAN_BUDGET's
     scan_labels: int | None = None  # more labels than this: SCAN_BUDGET's fitting images shared out (scan_budget)
+    scan_epochs: int | None = None  # the scan's passes over its fitting images (None: SCAN_BUDGET's)
+    scan_batch: int | None = None  # ... and the images of each of its steps (None: SCAN_BUDGET's)
 
     def __post_init__(self):
         n = len(self.fractions)
@@ -160,8 +162,10 @@ class Schedule:
             raise PBEError(f"schedule readmit_target must be one of {READMIT_MODES}, got {self.readmit_target!r}")
         if self.whole_label not in WHOLE_LABEL_MODES:
             raise PBEError(f"schedule whole_label must be one of {WHOLE_LABEL_MODES}, got {self.whole_label!r}")
-        if self.scan_labels is not None and not (isinstance(self.scan_labels, int) and self.scan_labels >= 2):
-            raise PBEError(f"schedule scan_labels must be None or an int >= 2, got {self.scan_labels!r}")
+        for name, least in (("scan_labels", 2), ("scan_epochs", 1), ("scan_batch", 1)):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and value >= least):
+                raise PBEError(f"schedule {name} must be None or an int >= {least}, got {value!r}")
         if self.universal is not None and self.adv_share + self.universal_share > 1:
             raise PBEError("adv_share + universal_share must be <= 1 (they are disjoint parts of a batch)")
 
@@ -321,17 +325,20 @@ SCAN_BUDGET = {"epochs": 4, "batch_size": 128, "label_budget": None}
 
 def scan_budget(s: Schedule, num_classes: int) -> dict:
     """``pbe.detect``'s budget arguments for the target scan under `s` on `num_classes` labels: SCAN_BUDGET
-    (`cheap_scan`: detect's own); with more than `s.scan_labels` labels, its fitting images and each step's
-    batch are those of `s.scan_labels` labels shared out (the steps and the held-out images stay, so the
-    optimisation and the rates' precision do: the cost is what fits the perturbations, 2 families x 4 passes
-    per label, GTSRB's 43 labels ~2.2 of 4.9 epoch-equivalents)."""
+    (`cheap_scan`: detect's own) with `s.scan_epochs` passes of `s.scan_batch`-image steps where given; with
+    more than `s.scan_labels` labels, its fitting images and each step's batch are those of `s.scan_labels`
+    labels shared out (the steps and the held-out images stay, so the optimisation and the rates' precision
+    do). The cost is what fits the perturbations: 2 families x the passes x the fitting images per label,
+    on GTSRB's 43 labels ~2.2 of PBE's ~4.9 epoch-equivalents."""
     if s.cheap_scan:
         return {}
+    budget = {**SCAN_BUDGET, **{key: value for key, value in (("epochs", s.scan_epochs), ("batch_size", s.scan_batch))
+                                if value is not None}}
     if s.scan_labels is None or s.scan_labels >= num_classes:
-        return SCAN_BUDGET
+        return budget
     share = s.scan_labels / num_classes
-    return {**SCAN_BUDGET, "label_budget": s.scan_labels, "scale_held_out": False,
-            "batch_size": max(1, round(SCAN_BUDGET["batch_size"] * share))}
+    return {**budget, "label_budget": s.scan_labels, "scale_held_out": False,
+            "batch_size": max(1, round(budget["batch_size"] * share))}
 
 
 SCAN_FAMILIES = {"universal": ("l2", "linf", "patch"), "warp": ("warp",)}  # detection evidence -> universal kinds
