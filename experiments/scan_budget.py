@@ -117,9 +117,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="zoo names or attacks")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    execute({"script": "scan_budget", "dataset": args.dataset, "only": args.only, "variants": args.variants,
-             "seeds": [args.seed]}, progress=False)
+    args = vars(ap.parse_args())
+    execute({"script": "scan_budget", "seeds": [args.pop("seed")], **args}, progress=False)
 
 
 if __name__ == "__main__":
