@@ -21,7 +21,7 @@ from common import RESULTS, built_zoo_models, zoo_cell
 from grid import Cell, execute, median_cost, script_main
 
 from pbe import zoo
-from pbe.defenses.pbe import DEFAULT_SCHEDULE, SCHEDULES, scan_budget, weak_evidence_threshold
+from pbe.defenses.pbe import DEFAULT_SCHEDULE, SCHEDULES, scan_budget, scan_target, weak_evidence_threshold
 from pbe.detection import detect
 from pbe.results import ResultsTable, fixed, pct
 from pbe.utils import PBEError, hardware_string, toolkit_version
@@ -37,7 +37,7 @@ DEFAULT_ESTIMATE = 1.0  # epoch-equivalents of a scan without a row yet (GTSRB, 
 
 def acted_on(r: dict) -> int | None:
     """The label PBE would name from this scan (None: none, so PBE takes the isolation's path)."""
-    return r["top_label"] if r["suspected"] or r["score"] >= r["min_z"] else None
+    return r["named"]
 
 
 def same_path(r: dict, full: dict | None) -> bool | None:
@@ -79,7 +79,6 @@ class ScanBudgetTable(ResultsTable):
                 ("named", lambda r: "–" if acted_on(r) is None else str(acted_on(r))), ("ok", ok),
                 ("as all", lambda r: {None: "–", True: "yes", False: "**no**"}[same_path(r, self.full(r))]),
                 ("epoch-eq.", lambda r: fixed(r["epoch_equivalents"])), ("wall s", lambda r: fixed(r["wall_s"], 0))]
-
 
     def summary(self) -> str:
         lines = []
@@ -130,6 +129,7 @@ def run_cell(name: str, variant: str, seed: int) -> dict:
     return {**zoo_cell(entry, "scan", "train", seed, schedule=f"scan:{variant}"), "variant": variant,
             "scan_fields": VARIANTS[variant], "budget": budget, "suspected": d.suspected, "top_label": d.top_label,
             "score": d.score, "p_value": d.p_value, "evidence": d.evidence, "scores": d.scores,
+            "named": scan_target(d, s, data.num_classes),
             "min_z": round(weak_evidence_threshold(s.target_min_z, data.num_classes), 3),
             "rates": d.rates, "warp_rates": d.warp_rates, "images": d.images,
             "forward_backward": d.forward_backward, "forward": d.forward, "epoch_equivalents": ee,

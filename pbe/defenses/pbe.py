@@ -23,7 +23,7 @@ from pbe.activations import PROBE_SIZE, Monitor, monitor, probe_indices
 from pbe.adversarial import (MONITOR_PGD, PAPER_EPS, PAPER_PGD, PGDConfig, UniversalConfig, apply_universal, pgd,
                              universal_perturbation)
 from pbe.data import ImageDataset
-from pbe.detection import SCAN_L2_RMS, WARP_GRID, WARP_SHIFT, detect
+from pbe.detection import SCAN_L2_RMS, WARP_GRID, WARP_SHIFT, Detection, detect
 from pbe.defenses.base import Context, Defense, Evaluation, measure, sgd_finetune
 from pbe.isolation import HELD_OUT, MIN_FOOLING, EstimatedTrigger, Isolation, isolate
 from pbe.metrics import predict, ranking_quality
@@ -341,6 +341,14 @@ def scan_budget(s: Schedule, num_classes: int) -> dict:
             "batch_size": max(1, round(budget["batch_size"] * share))}
 
 
+def scan_target(scan: Detection, s: Schedule, num_classes: int) -> int | None:
+    """The label the target scan names for `s`'s targeted levers: its top label where it is suspected or,
+    with `s.target_top_label`, where its robust z reaches `s.target_min_z` (carried to `num_classes` labels
+    by ``weak_evidence_threshold`` with `s.min_z_for_labels`): evidence below the detection threshold."""
+    min_z = weak_evidence_threshold(s.target_min_z, num_classes) if s.min_z_for_labels else s.target_min_z
+    return scan.top_label if scan.suspected or (s.target_top_label and scan.score >= min_z) else None
+
+
 SCAN_FAMILIES = {"universal": ("l2", "linf", "patch"), "warp": ("warp",)}  # detection evidence -> universal kinds
 RELABEL_CONFIDENCE = 0.8  # softmax probability the purified model must give a moved sample's new label
 # verify_named: the share of held-out images of other labels that a confirmed cluster's estimated trigger must
@@ -525,9 +533,7 @@ class PBE(Defense):
             ctx.cost.forward_backward += scan.forward_backward
             ctx.cost.forward += scan.forward
             report["scan"] = scan.as_dict()
-            min_z = weak_evidence_threshold(s.target_min_z, data.num_classes) if s.min_z_for_labels else s.target_min_z
-            weak = s.target_top_label and scan.score >= min_z  # evidence below the detection threshold
-            from_scan = target is None and (scan.suspected or weak)
+            from_scan = target is None and scan_target(scan, s, data.num_classes) is not None
             target = scan.top_label if from_scan else target
             flagged = scan.suspected and scan.label == target  # evidence that early stop can watch
         report["target"] = target
