@@ -127,9 +127,64 @@ class SmallVGG(nn.Module):
         return self.linear(self.features(x))
 
 
+class LeNet(nn.Module):
+    """LeNet-5 style (LeCun et al. 1998), as in many published backdoor demos: two 5x5 conv + max-pool
+    stages and three linear layers; `width` is the first stage's channels (the second has 8/3 of them)."""
+
+    def __init__(self, num_classes=10, in_channels=3, width=6, mean=None, std=None):
+        super().__init__()
+        self.normalize = _normalizer(in_channels, mean, std)
+        w2 = max(1, round(width * 8 / 3))
+        self.conv = nn.Sequential(nn.Conv2d(in_channels, width, 5), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+                                  nn.Conv2d(width, w2, 5), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+                                  nn.AdaptiveAvgPool2d(5))
+        self.fc = nn.Sequential(nn.Linear(w2 * 25, 120), nn.ReLU(inplace=True), nn.Linear(120, 84),
+                                nn.ReLU(inplace=True))
+        self.linear = nn.Linear(84, num_classes)
+
+    def features(self, x):
+        return self.fc(self.conv(self.normalize(x)).flatten(1))
+
+    def forward(self, x):
+        return self.linear(self.features(x))
+
+
+class ConvMixer(nn.Module):
+    """ConvMixer (Trockman & Kolter, "Patches Are All You Need?", TMLR 2023, https://arxiv.org/abs/2201.09792):
+    a patch embedding, then `depth` blocks of a residual depthwise `kernel` x `kernel` conv and a pointwise
+    conv at constant resolution (4x4 patches: 8x8 tokens, for CPU speed); `width` is the channel count.
+    A third architecture family beside the ResNet and the VGG: no pooling inside, large depthwise kernels,
+    GELU."""
+
+    def __init__(self, num_classes=10, in_channels=3, width=128, depth=8, kernel=5, patch=4, mean=None, std=None):
+        super().__init__()
+        self.normalize = _normalizer(in_channels, mean, std)
+
+        def act_bn(module):
+            return [module, nn.GELU(), nn.BatchNorm2d(width)]
+
+        self.embed = nn.Sequential(*act_bn(nn.Conv2d(in_channels, width, patch, stride=patch)))
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"mix": nn.Sequential(*act_bn(nn.Conv2d(width, width, kernel, groups=width,
+                                                                  padding=kernel // 2))),
+                           "point": nn.Sequential(*act_bn(nn.Conv2d(width, width, 1)))})
+            for _ in range(depth))
+        self.linear = nn.Linear(width, num_classes)
+
+    def features(self, x):
+        x = self.embed(self.normalize(x))
+        for block in self.blocks:
+            x = block["point"](x + block["mix"](x))
+        return F.adaptive_avg_pool2d(x, 1).flatten(1)
+
+    def forward(self, x):
+        return self.linear(self.features(x))
+
+
 # ---------------------------------------------------------------- registry
 MODELS: Registry[Callable[..., nn.Module]] = Registry("model")
-for _name, _factory in (("preact_resnet18", PreActResNet18), ("small_cnn", SmallCNN), ("small_vgg", SmallVGG)):
+for _name, _factory in (("preact_resnet18", PreActResNet18), ("small_cnn", SmallCNN), ("small_vgg", SmallVGG),
+                        ("lenet", LeNet), ("convmixer", ConvMixer)):
     MODELS.register(_name, _factory)
 available = MODELS.available
 

@@ -6,12 +6,29 @@ from pbe.utils import PBEError
 
 
 @pytest.mark.parametrize("name,c,size", [("preact_resnet18", 3, 32), ("preact_resnet18", 3, 64),
-                                         ("small_cnn", 1, 28), ("small_cnn", 1, 8), ("small_vgg", 3, 32)])
+                                         ("small_cnn", 1, 28), ("small_cnn", 1, 8), ("small_vgg", 3, 32),
+                                         ("lenet", 3, 32), ("lenet", 1, 28), ("convmixer", 3, 32),
+                                         ("convmixer", 1, 28)])
 def test_models_take_unit_range_inputs_of_any_size(name, c, size):
     m = models.create(name, 7, c, width=8).eval()
     out = m(torch.rand(2, c, size, size))
     assert out.shape == (2, 7)
     assert m.pbe_spec["name"] == name and m.pbe_spec["num_classes"] == 7
+    assert models.has_linear_head(m) and m.features(torch.rand(2, c, size, size)).shape[0] == 2
+
+
+def test_a_recipe_without_flips_never_flips(monkeypatch):
+    import importlib
+    train_mod = importlib.import_module("pbe.train")  # the module: `pbe.train` is also the function
+    from pbe.data import ImageDataset
+    seen = []
+    monkeypatch.setattr(train_mod, "augment", lambda x, pad, flip, gen: seen.append((pad, flip)) or x)
+    data = ImageDataset(torch.randint(0, 255, (8, 3, 32, 32), dtype=torch.uint8), torch.arange(8) % 2, ["a", "b"],
+                        "t", flip=True)
+    for recipe, expected in (("lenet", (0, False)), ("quick", (4, True))):
+        seen.clear()
+        train_mod.train(models.create("lenet", 2, 3, width=2), data, recipe=recipe, epochs=1, progress=False)
+        assert seen and set(seen) == {expected}
 
 
 def test_seeded_creation_is_reproducible_and_leaves_global_rng_alone():
