@@ -78,12 +78,22 @@ def _die_with_parent() -> None:
 CELL_PROGRESS = "PBE_CELL_PROGRESS"  # set to 1 (by the grid, on a terminal): the commands show their progress bars
 
 
+def toolkit_command(cmd: list[str]) -> list[str]:
+    """``pbe ARGS`` as this interpreter runs it (``python -m pbe.cli ARGS``): no ``pbe`` looked up on PATH, which
+    is another install's or none when the script runs with a venv's python without the venv activated."""
+    if not cmd or cmd[0] != "pbe":
+        raise ValueError(f"a toolkit command starts with 'pbe', got {cmd[:1]}")
+    return [sys.executable, "-m", "pbe.cli", *cmd[1:]]
+
+
 def run_cell(cmd: list[str], out: Path) -> dict:
-    """Run a ``pbe ...`` command that writes ``out/metrics.json``; return those metrics + the command
-    (as recorded: with ``--no-progress``, which does not change the run)."""
+    """Run a ``pbe ...`` command that writes ``out/metrics.json`` (with this interpreter: ``toolkit_command``);
+    return those metrics + the command (as recorded: ``pbe ...`` with ``--no-progress``, which does not change
+    the run)."""
     print("$", shlex.join(cmd), flush=True)
     shown = [c for c in cmd if c != "--no-progress"] if os.environ.get(CELL_PROGRESS) == "1" else cmd
-    subprocess.run(shown, check=True, cwd=ROOT, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    subprocess.run(toolkit_command(shown), check=True, cwd=ROOT,
+                   preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     return {**json.loads((ROOT / out / "metrics.json").read_text()), "command": shlex.join(cmd)}
 
 

@@ -370,7 +370,8 @@ def run_cell(name: str, defense: str, seed: int, paper_budget: bool) -> dict:
     out = cell_out(name, defense, seed, paper_budget)
     cmd = ["pbe", "defend", "--defense", registered_name, "--model", str(src), *data_args(entry),
            "--poison-from", str(src), "--seed", str(seed), "--out", str(out), "--no-progress",
-           "--clean-fraction", "0.05", "--overwrite"]  # the folder caches this cell: other settings' run is replaced
+           *(["--clean-fraction", "0.05"] if cell["setting"] == "clean-extra" else []),
+           "--overwrite"]  # the folder caches this cell: other settings' run is replaced
     for k, v in params.items():
         cmd += ["--param", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
     m = run_command(cmd, out)

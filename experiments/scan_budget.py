@@ -1,6 +1,6 @@
 """Does PBE's target scan still name the target at a fraction of its cost? On every GTSRB dev-set zoo model
 (the clean one included) PBE's scan (``pbe.detect`` on the possibly poisoned training set, the default
-schedule's budget) is run at cheaper budgets (``pbe.defenses.pbe.scan_budget``): its fitting images shared
+schedule's budget) is run at cheaper budgets (``budget_of``): its fitting images shared
 out as if the data had `scan_labels` labels (the steps and the held-out images stay; on 10 labels or fewer,
 CIFAR-10's, nothing changes), or fewer passes of smaller steps over all of them (every dataset's scan
 changes) -> experiments/results/scan_budget.{json,md,csv}. On 43 labels the full scan is ~2.4 of PBE's
@@ -15,23 +15,39 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
 
 from common import RESULTS, built_zoo_models, zoo_cell
 from grid import Cell, execute, median_cost, script_main
 
 from pbe import zoo
-from pbe.defenses.pbe import DEFAULT_SCHEDULE, SCHEDULES, scan_budget, scan_target, weak_evidence_threshold
-from pbe.detection import detect
+from pbe.defenses.pbe import DEFAULT_SCHEDULE, SCHEDULES, scan_target, weak_evidence_threshold
+from pbe.detection import SCAN_BUDGETS, ScanBudget, detect
 from pbe.results import ResultsTable, fixed, pct
 from pbe.utils import PBEError, hardware_string, toolkit_version
 
-VARIANTS = {  # name -> the default schedule's scan fields it changes (none: SCAN_BUDGET, every label at 4 x 128)
+VARIANTS = {  # name -> how the variant changes PBE's scan budget (none: SCAN_BUDGETS["pbe"], every label at 4 x 128)
     "all": {},
     "labels16": {"scan_labels": 16},  # each label's perturbation fitted on 16 labels' images shared out (95 of 256)
     "labels10": {"scan_labels": 10},  # ... on 10 labels' (60 of 256): each step's batch shrinks alike
     "pass1_b16": {"scan_epochs": 1, "scan_batch": 16},  # all 256 images, once, in 16 steps of 16 (~0.3 x the cost)
 }
+PBE_SCAN = SCAN_BUDGETS["pbe"]
+
+
+def budget_of(fields: dict, num_classes: int) -> dict:
+    """The scan budget of a variant's `fields` on `num_classes` labels: PBE's with `scan_epochs` passes of
+    `scan_batch`-image steps where given; with more than `scan_labels` labels, its fitting images and each step's
+    batch are those of `scan_labels` labels shared out (the steps and the held-out images stay, so the
+    optimisation and the rates' precision do)."""
+    budget = {"epochs": fields.get("scan_epochs", PBE_SCAN.epochs),
+              "batch_size": fields.get("scan_batch", PBE_SCAN.batch_size), "label_budget": PBE_SCAN.label_budget}
+    labels = fields.get("scan_labels")
+    if labels is None or labels >= num_classes:
+        return budget
+    return {**budget, "label_budget": labels, "scale_held_out": False,
+            "batch_size": max(1, round(budget["batch_size"] * labels / num_classes))}
+
+
 DEFAULT_ESTIMATE = 1.0  # epoch-equivalents of a scan without a row yet (GTSRB, labels10: ~0.7; all: ~2.4)
 
 
@@ -119,18 +135,18 @@ def run_cell(name: str, variant: str, seed: int) -> dict:
     entry = zoo.get(name)
     z = zoo.load(name)
     data = z.train_set
-    s = replace(SCHEDULES[DEFAULT_SCHEDULE], **VARIANTS[variant])
-    budget = scan_budget(s, data.num_classes)
+    s = SCHEDULES[DEFAULT_SCHEDULE]
+    budget = budget_of(VARIANTS[variant], data.num_classes)
     start = time.time()
-    d = detect(z.model, data, l2_rms=s.scan_l2_rms, seed=seed, **budget)  # as PBE calls it (ctx.seed = seed)
+    d = detect(z.model, data, budget=ScanBudget(**budget), l2_rms=s.scan_l2_rms, seed=seed)  # as PBE calls it
     ee = d.epoch_equivalents(len(data))
     print(f"{name} {variant}: top {d.top_label} z {d.score:.2f} ({d.evidence}) target {entry.target} "
           f"ee {ee:.2f}", flush=True)
     return {**zoo_cell(entry, "scan", "train", seed, schedule=f"scan:{variant}"), "variant": variant,
             "scan_fields": VARIANTS[variant], "budget": budget, "suspected": d.suspected, "top_label": d.top_label,
             "score": d.score, "p_value": d.p_value, "evidence": d.evidence, "scores": d.scores,
-            "named": scan_target(d, s, data.num_classes),
-            "min_z": round(weak_evidence_threshold(s.target_min_z, data.num_classes), 3),
+            "named": scan_target(d, data.num_classes),
+            "min_z": round(weak_evidence_threshold(data.num_classes), 3),
             "rates": d.rates, "warp_rates": d.warp_rates, "images": d.images,
             "forward_backward": d.forward_backward, "forward": d.forward, "epoch_equivalents": ee,
             "wall_s": round(time.time() - start, 1), "acc": z.row.get("acc"), "asr": z.row.get("asr"), "ra": None,

@@ -101,15 +101,15 @@ def monitor(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, num_cl
                                threshold)
 
 
-def detect(model: nn.Module, dataset, probe_size: int = PROBE_SIZE, cfg: PGDConfig | None = None,
-           threshold: float = KAPPA_THRESHOLD, seed: int = 0) -> Monitor:
+def kappa_detect(model: nn.Module, dataset, probe_size: int = PROBE_SIZE, cfg: PGDConfig | None = None,
+                 threshold: float = KAPPA_THRESHOLD, seed: int = 0) -> Monitor:
     """Is a backdoor suspected, and which label does it point to? No trigger needed.
 
     `dataset` is any labelled data the defender has (test or training set); a class-balanced probe
     of `probe_size` images is attacked.
     """
     if len(dataset) == 0:
-        raise PBEError("detect() needs a non-empty dataset")
+        raise PBEError("kappa_detect() needs a non-empty dataset")
     if not 0 < threshold < 1:
         raise PBEError(f"the kappa threshold must be in (0, 1) (kappa is a share of the attraction), got {threshold}")
     idx = probe_indices(dataset.labels, probe_size, seed)

@@ -39,6 +39,57 @@ class ImageDataset:
     def __post_init__(self) -> None:
         validate(self)
 
+    @classmethod
+    def from_tensors(cls, images, labels, classes: list[str] | int | None = None, *, name: str = "tensors",
+                     flip: bool = True) -> "ImageDataset":
+        """An ImageDataset from your own tensors (or NumPy arrays), e.g. those of a ``TensorDataset``:
+        ``ImageDataset.from_tensors(*tensor_dataset.tensors, classes=10)``.
+
+        Arguments:
+            images: (N, C, H, W) with C 1 or 3 (or (N, H, W) grey), uint8 in [0, 255] or float in [0, 1]
+                (floats are rounded to uint8); not standardised: a model that normalises its inputs
+                outside needs ``pbe.models.Normalize`` in front (see there).
+            labels: N integer class ids.
+            classes: the class names, or their number (names "0", "1", ...); default: 0 to the largest label.
+            name: what messages and reports call the data.
+            flip: whether a horizontal flip is a valid augmentation (False for digits, text, traffic signs).
+        """
+        x = torch.as_tensor(np.asarray(images) if not isinstance(images, torch.Tensor) else images)
+        y = torch.as_tensor(np.asarray(labels) if not isinstance(labels, torch.Tensor) else labels)
+        x, y = x.detach().cpu(), y.detach().cpu()
+        if x.dim() == 3:
+            x = x[:, None]
+        if x.dim() != 4:
+            raise PBEError(f"{name}: images must be (N, C, H, W) (or (N, H, W) grey), got shape {tuple(x.shape)}")
+        if x.shape[1] not in (1, 3) and x.shape[3] in (1, 3):
+            raise PBEError(f"{name}: images of shape {tuple(x.shape)} look channels-last (N, H, W, C); pass "
+                           "images.permute(0, 3, 1, 2) (NumPy: images.transpose(0, 3, 1, 2))")
+        if x.is_floating_point():
+            if not bool(torch.isfinite(x).all()):
+                raise PBEError(f"{name}: images hold NaN or inf")
+            lo, hi = (float(x.min()), float(x.max())) if x.numel() else (0.0, 0.0)
+            if lo < 0 or hi > 1:
+                hint = ("they look like 0-255 values: divide them by 255" if lo >= 0 and hi <= 255 else
+                        "they look standardised: undo the normalisation (x * std + mean) and put it inside the "
+                        "model with pbe.models.Normalize")
+                raise PBEError(f"{name}: float images must be in [0, 1], got values in [{lo:.3g}, {hi:.3g}]; {hint}")
+            x = x.mul(255).round().to(torch.uint8)
+        elif x.dtype != torch.uint8:
+            raise PBEError(f"{name}: images must be uint8 in [0, 255] or float in [0, 1], got {x.dtype}")
+        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool or y.dim() != 1:
+            raise PBEError(f"{name}: labels must be a 1-D tensor of integer class ids, got {y.dtype} "
+                           f"{tuple(y.shape)}")
+        y = y.to(torch.int64)
+        if len(y) != len(x):
+            raise PBEError(f"{name}: {len(x)} images but {len(y)} labels")
+        if classes is None:
+            classes = int(y.max()) + 1 if len(y) else 0
+        if isinstance(classes, int) and not isinstance(classes, bool):
+            classes = [str(i) for i in range(classes)]
+        if isinstance(classes, (str, bytes, bool)) or not hasattr(classes, "__iter__"):
+            raise PBEError(f"{name}: classes must be a list of class names or their number, got {classes!r}")
+        return cls(x.contiguous(), y, [str(c) for c in classes], name, flip=flip, source="tensors")
+
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 

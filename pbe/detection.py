@@ -70,22 +70,23 @@ model had a false cluster).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
+from tqdm.auto import tqdm
 
 from pbe.adversarial import PGDConfig, UniversalConfig, apply_universal, pgd, universal_perturbation
+from pbe.checks import check_dataset, check_model_and_data
 from pbe.isolation import isolate
 from pbe.metrics import predict
 from pbe.models import has_linear_head, penultimate
-from pbe.utils import PBEError
+from pbe.utils import Cost, PBEError
 
 SCAN_L2_RMS = 1.0 / math.sqrt(3 * 32 * 32)  # L2 norm 1 on a CIFAR-10 image (dev-set choice)
 SCAN_IMAGES = 256  # images that optimise each label's perturbation (as many more measure it)
 SCAN_EPOCHS = 2  # passes over the fitting images (CIFAR-10 dev, 256 images per label: 2 passes of 16-image steps
 SCAN_BATCH = 16  # beat method 9's 4 of 128 at half the cost, Input-aware z 5.58 vs 3.94, every verdict the same)
-PER_IMAGE_EPS = 2 / 255  # the per-image probe's L-inf budget, when asked for (method 3's default)
 WARP_SHIFT = 0.5 / 32  # the warp scan's largest displacement, a share of the image side (0.5 px on CIFAR-10;
 #                        there WaNet's target is reached from 100 % of held-out images, dev set)
 WARP_GRID = 4  # its control grid (size x size displacements)
@@ -101,6 +102,38 @@ GAP_UNIT = 0.02  # accuracy gaps are scored in these units (MAD floor 1 = a 2-po
 BUDGET_LABELS = 8  # per-label image counts are those of a problem with this many labels, shared out (scaled by
 #                    min(1, BUDGET_LABELS / C)), so that the scan's cost does not grow with the label count (dev
 #                    set: 10 left the GTSRB models at 0.53 epoch-equivalents, over the 0.5 goal; 8: 0.46)
+
+
+
+@dataclass(frozen=True)
+class ScanBudget:
+    """What the scan spends: each label's perturbation is fitted on `images` images of other labels in `epochs`
+    passes of `batch_size`-image steps and measured on `held_out` more (None: as many); with more than
+    `label_budget` labels these per-label counts are scaled by ``label_budget / C`` (None: never), the held-out
+    count too unless `scale_held_out` is False."""
+
+    images: int = SCAN_IMAGES
+    epochs: int = SCAN_EPOCHS
+    batch_size: int = SCAN_BATCH
+    label_budget: int | None = BUDGET_LABELS
+    held_out: int | None = None
+    scale_held_out: bool = True
+
+
+SCAN_BUDGETS = {
+    "detect": ScanBudget(),  # ``detect``'s own: ~0.13-0.46 epoch-equivalents on the dev zoo (experiments/detect.py)
+    # PBE's target scan: every label at 4 passes of 128-image steps, the budget every committed PBE row was made with
+    "pbe": ScanBudget(epochs=4, batch_size=128, label_budget=None),
+}
+
+
+def scan_budget(budget: str | ScanBudget) -> ScanBudget:
+    """A preset's name in ``SCAN_BUDGETS``, or a ``ScanBudget``."""
+    if isinstance(budget, ScanBudget):
+        return budget
+    if budget not in SCAN_BUDGETS:
+        raise PBEError(f"unknown scan budget {budget!r}; use one of {', '.join(SCAN_BUDGETS)} or a ScanBudget")
+    return SCAN_BUDGETS[budget]
 
 
 @dataclass
@@ -132,8 +165,12 @@ class Detection:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def cost(self) -> Cost:
+        return Cost(self.forward_backward, self.forward)
+
     def epoch_equivalents(self, train_size: int) -> float:
-        return (self.forward_backward + self.forward / 3) / train_size
+        return self.cost.epoch_equivalents(train_size)
 
 
 NOISE_SES = 2.0  # the spread of the other labels is floored at this many binomial standard errors
@@ -231,132 +268,216 @@ def reached(model: nn.Module, fit_x: torch.Tensor, fit_y: torch.Tensor, held_x: 
     return (predict(model, apply_universal(held_x, delta, family, gen)) == label) & (held_y != label)
 
 
-def detect(model: nn.Module, dataset, images: int = SCAN_IMAGES, l2_rms: float = SCAN_L2_RMS,
-           epochs: int = SCAN_EPOCHS, alpha: float = ALPHA, seed: int = 0, train_data=None,
-           warp_shift: float = WARP_SHIFT, pgd_eps: float = 0.0, held_out: int | None = None,
-           label_budget: int | None = BUDGET_LABELS, batch_size: int = SCAN_BATCH,
-           scale_held_out: bool = True) -> Detection:
+def _check_settings(b: ScanBudget, k: int, n: int, alpha: float, l2_rms: float, pgd_eps: float,
+                    warp_shift: float) -> int:
+    """Refuse settings ``detect`` cannot run with, by name; the held-out count per label (before scaling)."""
+    if k < 2:
+        raise PBEError("detection needs at least 2 classes")
+    if not (isinstance(b.images, int) and b.images >= k):
+        raise PBEError(f"detect: budget images must be an int >= the number of classes ({k}), got {b.images!r}")
+    if not 0 < alpha < 1 or not l2_rms > 0 or not (isinstance(b.epochs, int) and b.epochs >= 1) \
+            or not 0 <= pgd_eps <= 1 or not 0 <= warp_shift < 1:
+        raise PBEError(f"detect: alpha must be in (0, 1), l2_rms > 0, epochs an int >= 1, pgd_eps in [0, 1] and "
+                       f"warp_shift in [0, 1); got {alpha}, {l2_rms}, {b.epochs}, {pgd_eps}, {warp_shift}")
+    held_out = b.images if b.held_out is None else b.held_out
+    if not (isinstance(held_out, int) and held_out >= k):
+        raise PBEError(f"detect: held_out must be an int >= the number of classes ({k}), got {held_out!r}")
+    if n < 2 * k:
+        raise PBEError(f"detect needs at least {2 * k} images, got {n}")
+    if b.label_budget is not None and not (isinstance(b.label_budget, int) and b.label_budget >= 2):
+        raise PBEError(f"detect: label_budget must be None or an int >= 2, got {b.label_budget!r}")
+    if not (isinstance(b.batch_size, int) and b.batch_size >= 1):
+        raise PBEError(f"detect: batch_size must be an int >= 1, got {b.batch_size!r}")
+    return held_out
+
+
+def _training_set_tests(model, dataset, train_data, k: int, images: int, iso_held_out: int, seed: int,
+                        gen: torch.Generator, tests: dict, cost: Cost) -> tuple:
+    """With the labelled training set: the clean-label gap (added to `tests`), the label shares and the
+    activation clusters (``pbe.isolation``), their cost added to `cost`. Returns (gap, its robust z, the share
+    ratios, the share test, the isolation)."""
+    iso = None
+    if train_data.num_classes != k:
+        raise PBEError(f"detect: train_data has {train_data.num_classes} classes, the images {k}")
+    g = accuracy_gap(model, train_data, dataset, images, gen)
+    cost.forward += int(sum(min(int((d.labels == c).sum()), images) for d in (train_data, dataset)
+                            for c in range(k)))
+    g_top = int(g.argmax())
+    gap_z = _robust_z(g / GAP_UNIT, g_top)  # in units where the MAD floor of 1 is a 2-point spread
+    tests["gap"] = (g_top, gap_z, _p_value(gap_z, k))
+    gap = [round(float(v), 4) for v in g]
+    log_ratio, se = label_share(train_data.labels, dataset.labels, k)  # free: labels only
+    shared, share = share_score(log_ratio, se), [round(float(v), 4) for v in log_ratio.exp()]
+    order = torch.randperm(len(train_data), generator=gen)  # a random sample: poison may sit anywhere
+    sample = torch.cat([order[train_data.labels[order] == c][:ISOLATION_PER_LABEL] for c in range(k)])
+    if has_linear_head(model):
+        iso, passes = isolate(model, train_data.images[sample], train_data.labels[sample],
+                              penultimate(model, train_data.images[sample]), gen, seed, iso_held_out)
+        cost.forward += len(sample) + passes
+    return gap, gap_z, share, shared, iso
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``decide``'s answer: whether a backdoor is suspected, its target (None: none, or no single one), the
+    evidence that decided, and the most significant model statistic's top label, robust z and p-value."""
+
+    suspected: bool
+    label: int | None
+    evidence: str
+    top_label: int
+    score: float
+    p_value: float
+
+
+def decide(tests: dict[str, tuple[int, float, float]], tried: int, alpha: float, cluster_labels: list[int] | None,
+           share: tuple[int, float, float] | None) -> Verdict:
+    """The detection verdict, by the first of these rules that holds:
+
+    1. **model statistic**: the statistic of `tests` (name -> (top label, robust z, p-value)) with the smallest
+       p-value, Bonferroni-corrected for the `tried` statistics, is below `alpha`: its top label is the target.
+    2. **cluster**: the isolation confirmed a poison cluster (`cluster_labels`): one label is the target;
+       several (an all-to-all backdoor) are suspected with no single target. Its thresholds are
+       ``pbe.isolation``'s; it has no p-value of its own.
+    3. **label share**: the training labels' share test (`share`: top label, z, p-value) is below `alpha`:
+       the data's tell, where the model's said nothing.
+    4. otherwise nothing is suspected.
+    """
+    evidence, (top, z, p) = min(tests.items(), key=lambda kv: kv[1][2])
+    p = min(1.0, tried * p)
+    if p < alpha:
+        return Verdict(True, top, evidence, top, z, p)
+    if cluster_labels:
+        return Verdict(True, cluster_labels[0] if len(cluster_labels) == 1 else None, "cluster", top, z, p)
+    if share is not None and share[2] < alpha:
+        return Verdict(True, share[0], "label_share", top, z, p)
+    return Verdict(False, None, evidence, top, z, p)
+
+
+def detect(model: nn.Module, dataset, *, budget: str | ScanBudget = "detect", l2_rms: float = SCAN_L2_RMS,
+           alpha: float = ALPHA, seed: int = 0, train_data=None, warp_shift: float = WARP_SHIFT,
+           pgd_eps: float = 0.0, progress: bool = False, check: bool = True) -> Detection:
     """Scan every label of `model` with `dataset`'s images (the test set, or the possibly poisoned
-    training set: no trigger, no clean data needed); with `train_data` (the labelled training set,
-    `dataset` then being the test set) also the clean-label test; `warp_shift` the warp scan's budget
-    as a share of the image side (0: no warp scan); `pgd_eps` the per-image probe's L-inf budget (default 0: off);
-    `images` fit each label's perturbation and `held_out` (default: as many) measure it; with more than
-    `label_budget` classes these counts (and the gap's per-label sample, and the held-out images of each
-    cluster's trigger) are scaled by ``label_budget / C``, so that the cost stays that of `label_budget`
-    labels (None: never scaled); `scale_held_out` False keeps `held_out` as given (measuring is forward passes
-    only, and the rates' noise floor grows as it shrinks). See the module docstring.
+    training set: no trigger, no clean data needed). See the module docstring.
+
+    Arguments:
+        budget (str | ScanBudget): what the scan spends, a name in ``SCAN_BUDGETS`` (default "detect") or a
+            ``ScanBudget``.
+        l2_rms (float): the additive perturbation's budget, root-mean-square change per pixel (default
+            ``SCAN_L2_RMS``: L2 norm 1 on a CIFAR-10 image).
+        alpha (float): the p-value below which a backdoor is suspected (default ``ALPHA`` = 0.01).
+        seed (int): seeds which images fit and measure (default 0).
+        train_data (ImageDataset | None): the labelled training set, `dataset` then being the test set: adds the
+            clean-label gap test, the activation clusters and the label-share test (default None).
+        warp_shift (float): the warp scan's largest displacement, a share of the image side (default
+            ``WARP_SHIFT``; 0: no warp scan).
+        pgd_eps (float): the per-image targeted probe's L-inf budget (default 0: off).
+        progress (bool): a progress bar over the labels (default False).
+        check (bool): ``pbe.checks``' boundary checks of the model and the data first (default True; False for a
+            caller that made them, as PBE has; they are not counted in the cost).
 
     Example::
 
         >>> d = pbe.detect(model, test_set)
         >>> d.suspected, d.label, d.p_value
     """
+    b = scan_budget(budget)
+    if check:
+        check_model_and_data(model, dataset, where="detect", what="the images")
+        if train_data is not None:
+            check_dataset(train_data, where="detect", what="train_data")
     k = int(dataset.num_classes)
-    if k < 2:
-        raise PBEError("detection needs at least 2 classes")
-    if not (isinstance(images, int) and images >= k):
-        raise PBEError(f"detect: images must be an int >= the number of classes ({k}), got {images!r}")
-    if not 0 < alpha < 1 or not l2_rms > 0 or not (isinstance(epochs, int) and epochs >= 1) or not 0 <= pgd_eps <= 1 \
-            or not 0 <= warp_shift < 1:
-        raise PBEError(f"detect: alpha must be in (0, 1), l2_rms > 0, epochs an int >= 1, pgd_eps in [0, 1] and "
-                       f"warp_shift in [0, 1); got {alpha}, {l2_rms}, {epochs}, {pgd_eps}, {warp_shift}")
-    held_out = images if held_out is None else held_out
-    if not (isinstance(held_out, int) and held_out >= k):
-        raise PBEError(f"detect: held_out must be an int >= the number of classes ({k}), got {held_out!r}")
-    if len(dataset) < 2 * k:
-        raise PBEError(f"detect needs at least {2 * k} images, got {len(dataset)}")
-    if label_budget is not None and not (isinstance(label_budget, int) and label_budget >= 2):
-        raise PBEError(f"detect: label_budget must be None or an int >= 2, got {label_budget!r}")
-    if not (isinstance(batch_size, int) and batch_size >= 1):
-        raise PBEError(f"detect: batch_size must be an int >= 1, got {batch_size!r}")
-    scale = 1.0 if label_budget is None else min(1.0, label_budget / k)
+    held_out = _check_settings(b, k, len(dataset), alpha, l2_rms, pgd_eps, warp_shift)
+    scale = 1.0 if b.label_budget is None else min(1.0, b.label_budget / k)
 
     def scaled(count: int) -> int:
         """A per-label count shared out over the labels (at least one image per label)."""
         return max(k, round(count * scale))
-    images, held_out = scaled(images), scaled(held_out) if scale_held_out else held_out
+
+    # 1. two halves of the images: one fits each label's perturbations, the other measures them
+    images, held_out = scaled(b.images), scaled(held_out) if b.scale_held_out else held_out
     gen = torch.Generator().manual_seed(seed)
     pick = torch.randperm(len(dataset), generator=gen)[:images + held_out]
     x, y = dataset.images[pick], dataset.labels[pick]
     half = len(pick) * images // (images + held_out)  # (= images unless the dataset is smaller)
     (xo, yo), (xh, yh) = (x[:half], y[:half]), (x[half:], y[half:])
-    cfg = UniversalConfig(kind="l2", eps=l2_rms * math.sqrt(x[0].numel()), epochs=epochs, batch_size=batch_size)
-    probe = PGDConfig(eps=pgd_eps, steps=PER_IMAGE_STEPS, step=pgd_eps / 4)
-    n_probe = max(k, round(PER_IMAGE_SHARE * (len(pick) - half)))
-    xh_float = xh.float() / 255 if xh.dtype == torch.uint8 else xh
-    warp = UniversalConfig(kind="warp", eps=warp_shift, size=WARP_GRID, epochs=epochs, per_pixel=True,
-                           batch_size=batch_size) \
-        if warp_shift > 0 else None
-    rates, warp_rates, per_image, matrix, fb, fw = [], [], [], torch.zeros(k, k), 0, 0
-    iso = None
-
-    def scan(family: UniversalConfig, label: int) -> torch.Tensor:
-        """``reached`` on this scan's halves, with its cost counted."""
-        nonlocal fb, fw
-        fb += epochs * int((yo != label).sum())
-        fw += len(xh)
-        return reached(model, xo, yo, xh_float, yh, family, label, gen)
-
-    for label in range(k):
-        others = yh != label
-        hit = scan(cfg, label)
-        rates.append(float(hit.sum() / others.sum().clamp_min(1)))
-        for c in range(k):
-            if c != label and (yh == c).any():
-                matrix[c, label] = hit[yh == c].float().mean()
-        if warp is not None:
-            warp_rates.append(float(scan(warp, label).sum() / others.sum().clamp_min(1)))
-        mine = others.clone()
-        mine[n_probe:] = False
-        if pgd_eps > 0 and mine.any():
-            dev = next(model.parameters()).device
-            moved = pgd(model, xh_float[mine].to(dev), yh[mine].to(dev), probe, gen, target=label)
-            fb += probe.steps * int(mine.sum())
-            fw += int(mine.sum())
-            per_image.append(float((predict(model, moved) == label).float().mean()))
+    xh = xh.float() / 255 if xh.dtype == torch.uint8 else xh
+    # 2. per label: the reach of a small universal perturbation of each family (and of per-image PGD)
+    reach = _scan_labels(model, xo, yo, xh, yh, k, l2_rms, warp_shift, pgd_eps, b, gen, progress)
     n_measured = int(len(xh) * (k - 1) / k)
-    tests = {"universal": label_scores(torch.tensor(rates), n_measured)}
-    if warp_rates:
-        tests["warp"] = label_scores(torch.tensor(warp_rates), n_measured)
-    if per_image:
-        tests["per_image"] = label_scores(torch.tensor(per_image), int(n_probe * (k - 1) / k))
-    gap, gap_score, share, shared = None, None, None, None
+    tests = {"universal": label_scores(torch.tensor(reach.rates), n_measured)}
+    if reach.warp_rates:
+        tests["warp"] = label_scores(torch.tensor(reach.warp_rates), n_measured)
+    if reach.per_image:
+        tests["per_image"] = label_scores(torch.tensor(reach.per_image), int(reach.n_probe * (k - 1) / k))
+    cost = reach.cost
+    # 3. with the training set: the clean-label gap, the label shares and the activation clusters
+    gap, gap_z, share, shared, iso = None, None, None, None, None
     if train_data is not None:
-        if train_data.num_classes != k:
-            raise PBEError(f"detect: train_data has {train_data.num_classes} classes, the images {k}")
-        g = accuracy_gap(model, train_data, dataset, images, gen)
-        fw += int(sum(min(int((d.labels == c).sum()), images) for d in (train_data, dataset) for c in range(k)))
-        g_top = int(g.argmax())
-        gap_score = _robust_z(g / GAP_UNIT, g_top)  # in units where the MAD floor of 1 is a 2-point spread
-        tests["gap"] = (g_top, gap_score, _p_value(gap_score, k))
-        gap = [round(float(v), 4) for v in g]
-        log_ratio, se = label_share(train_data.labels, dataset.labels, k)  # free: labels only
-        shared, share = share_score(log_ratio, se), [round(float(v), 4) for v in log_ratio.exp()]
-        order = torch.randperm(len(train_data), generator=gen)  # a random sample: poison may sit anywhere
-        sample = torch.cat([order[train_data.labels[order] == c][:ISOLATION_PER_LABEL] for c in range(k)])
-        if has_linear_head(model):
-            iso, passes = isolate(model, train_data.images[sample], train_data.labels[sample],
-                                  penultimate(model, train_data.images[sample]), gen, seed, scaled(ISOLATION_HELD_OUT))
-            fw += len(sample) + passes
+        gap, gap_z, share, shared, iso = _training_set_tests(model, dataset, train_data, k, images, scaled(
+            ISOLATION_HELD_OUT), seed, gen, tests, cost)
     scores, tried = {name: round(t[1], 3) for name, t in tests.items()}, len(tests)
     if "gap" in tests and (iso is None or iso.whole_label != tests["gap"][0]):
         del tests["gap"]  # a harder class, not a trigger (module docstring): reported, not counted
-    # the most significant statistic decides, its p-value Bonferroni-corrected for how many were tried
-    evidence, (top, z, p) = min(tests.items(), key=lambda kv: kv[1][2])
-    p = min(1.0, tried * p)
-    suspected = p < alpha
-    label = top if suspected else None
-    if not suspected and iso is not None and iso.flagged:  # poison clusters: one target, or several labels
-        suspected, evidence = True, "cluster"
-        label = iso.flagged[0] if len(iso.flagged) == 1 else None
-    if not suspected and shared is not None and shared[2] < alpha:  # the data's tell, where the model's said nothing
-        suspected, evidence, label = True, "label_share", shared[0]
+    # 4. the verdict, and the all-to-all map where no single target decided
+    v = decide(tests, tried, alpha, None if iso is None else iso.flagged, shared)
     label_map = None
-    if not suspected or evidence == "cluster":  # one target per source class standing out of its row: all-to-all
-        label_map = all_to_all_map(matrix, max(1, len(xh) // k), alpha)
-    return Detection(bool(suspected), label, top, round(z, 3), p, alpha,
-                     [round(v, 4) for v in rates], label_map, gap, None if gap_score is None else round(gap_score, 3),
-                     len(pick), fb, fw, evidence, [round(v, 4) for v in per_image] or None,
-                     [round(v, 4) for v in warp_rates] or None,
-                     scores, None if iso is None else iso.flagged, None if iso is None else iso.as_dict(), share,
-                     None if shared is None else round(shared[1], 3))
+    if not v.suspected or v.evidence == "cluster":  # one target per source class standing out of its row
+        label_map = all_to_all_map(reach.matrix, max(1, len(xh) // k), alpha)
+    return Detection(
+        suspected=v.suspected, label=v.label, top_label=v.top_label, score=round(v.score, 3), p_value=v.p_value,
+        alpha=alpha, rates=[round(r, 4) for r in reach.rates], label_map=label_map, gap=gap,
+        gap_score=None if gap_z is None else round(gap_z, 3), images=len(pick),
+        forward_backward=cost.forward_backward, forward=cost.forward, evidence=v.evidence,
+        per_image_rates=[round(r, 4) for r in reach.per_image] or None,
+        warp_rates=[round(r, 4) for r in reach.warp_rates] or None, scores=scores,
+        cluster_labels=None if iso is None else iso.flagged, isolation=None if iso is None else iso.as_dict(),
+        share=share, share_score=None if shared is None else round(shared[1], 3))
+
+
+@dataclass
+class Reach:
+    """``_scan_labels``' measurements: per label, the share of held-out images of other labels each family's
+    perturbation sends there; the source-by-target matrix of the additive family's rates; its cost."""
+
+    rates: list[float] = field(default_factory=list)
+    warp_rates: list[float] = field(default_factory=list)
+    per_image: list[float] = field(default_factory=list)
+    matrix: torch.Tensor | None = None
+    n_probe: int = 0
+    cost: Cost = field(default_factory=Cost)
+
+
+def _scan_labels(model, xo, yo, xh, yh, k: int, l2_rms: float, warp_shift: float, pgd_eps: float, b: ScanBudget,
+                 gen: torch.Generator, progress: bool = False) -> Reach:
+    """For every label, ``reached`` by the additive family (and the warp family, and per-image PGD, where asked)."""
+    additive = UniversalConfig(kind="l2", eps=l2_rms * math.sqrt(xo[0].numel()), epochs=b.epochs,
+                               batch_size=b.batch_size)
+    warp = UniversalConfig(kind="warp", eps=warp_shift, size=WARP_GRID, epochs=b.epochs, per_pixel=True,
+                           batch_size=b.batch_size) if warp_shift > 0 else None
+    probe = PGDConfig(eps=pgd_eps, steps=PER_IMAGE_STEPS, step=pgd_eps / 4)
+    out = Reach(matrix=torch.zeros(k, k), n_probe=max(k, round(PER_IMAGE_SHARE * len(xh))))
+
+    def scan(family: UniversalConfig, label: int) -> torch.Tensor:
+        out.cost.forward_backward += b.epochs * int((yo != label).sum())
+        out.cost.forward += len(xh)
+        return reached(model, xo, yo, xh, yh, family, label, gen)
+
+    for label in tqdm(range(k), desc="scan", unit="label", disable=not progress, leave=False):
+        others = yh != label
+        hit = scan(additive, label)
+        out.rates.append(float(hit.sum() / others.sum().clamp_min(1)))
+        for c in range(k):
+            if c != label and (yh == c).any():
+                out.matrix[c, label] = hit[yh == c].float().mean()
+        if warp is not None:
+            out.warp_rates.append(float(scan(warp, label).sum() / others.sum().clamp_min(1)))
+        mine = others.clone()
+        mine[out.n_probe:] = False
+        if pgd_eps > 0 and mine.any():
+            dev = next(model.parameters()).device
+            moved = pgd(model, xh[mine].to(dev), yh[mine].to(dev), probe, gen, target=label)
+            out.cost.forward_backward += probe.steps * int(mine.sum())
+            out.cost.forward += int(mine.sum())
+            out.per_image.append(float((predict(model, moved) == label).float().mean()))
+    return out

@@ -220,10 +220,10 @@ def _whole_label(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, k
 
 def isolate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, features: torch.Tensor,
             gen: torch.Generator, seed: int = 0, held_out: int = HELD_OUT,
-            whole_label: bool = True) -> tuple[Isolation, int]:
+            find_whole_label: bool = True) -> tuple[Isolation, int]:
     """Suspected poison among the training samples (module docstring), and the images it ran the model on
     (``forward`` passes, for the cost). `features`: the model's penultimate features of `images`;
-    `held_out`: images of other labels each candidate trigger is measured on; `whole_label`: where no
+    `held_out`: images of other labels each candidate trigger is measured on; `find_whole_label`: where no
     label is flagged, test every label as a whole (step 4)."""
     k = int(labels.max()) + 1
     feats = features.numpy()
@@ -271,7 +271,7 @@ def isolate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, featur
         iso.trigger = EstimatedTrigger.estimate(images[suspected], images[pool[held_out:held_out + REFERENCE_SAMPLES]])
         iso.trigger_fooling = round(fooling_rate(model, iso.trigger, images[pool[:held_out]]), 4)
         passes += 2 * min(held_out, len(pool))
-    elif whole_label and not flagged:
+    elif find_whole_label and not flagged:
         iso.whole_label, iso.whole_fooling, iso.trigger, more = _whole_label(model, images, labels, k, gen, held_out)
         iso.trigger_fooling = None if iso.whole_label is None else iso.whole_fooling[iso.whole_label]
         passes += more

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from pbe.checks import check_attack, check_model_and_data
 from pbe.utils import PBEError, resolve_device
 
 AttackFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x in [0,1], y) -> x'
@@ -92,8 +93,21 @@ def accuracy_under(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
     return accuracy(predict(model, images, labels, attack_fn, batch_size, device), labels)
 
 
-def evaluate(model: nn.Module, test_set, attack=None, batch_size: int = 512, device="auto") -> dict:
-    """ACC on `test_set`; with an attack (``apply(x)``, ``target``, ``all_to_all``), also ASR and RA."""
+def evaluate(model: nn.Module, test_set, attack=None, batch_size: int = 512, device="auto", *,
+             check: bool = True) -> dict:
+    """ACC on `test_set`; with an attack (``apply(x)``, ``target``, ``all_to_all``), also ASR and RA.
+
+    Arguments:
+        model: a classifier taking [0, 1] images and returning logits.
+        test_set: a ``pbe.data.ImageDataset``.
+        attack: an attack object (``attacks.create(...)`` or ``attacks.load(path)``), or None for ACC only.
+        batch_size: images per forward pass.
+        device: "auto" (the model's), "cpu" or "cuda[:N]".
+        check: run ``pbe.checks``' boundary checks first (False for a caller that already did).
+    """
+    if check:
+        check_attack(attack, where="metrics.evaluate")
+        check_model_and_data(model, test_set, where="metrics.evaluate", what="the test set")
     pred = predict(model, test_set.images, batch_size=batch_size, device=device)
     result = {"acc": accuracy(pred, test_set.labels), "asr": None, "ra": None}
     if attack is not None:

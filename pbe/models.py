@@ -1,6 +1,7 @@
 """Model registry. Every model takes inputs in [0, 1] and normalises inside, so adversarial
 budgets are in pixel units and attack bounds are (0, 1). Any user ``nn.Module`` following that
-convention works with the rest of the toolkit.
+convention works with the rest of the toolkit: wrap one that normalises outside with ``Normalize``,
+one that ends in a softmax with ``Logits``.
 """
 from __future__ import annotations
 
@@ -23,6 +24,17 @@ DATASET_STATS = {
 
 
 class Normalize(nn.Module):
+    """``(x - mean) / std`` per channel: puts a model's input normalisation inside it, so that it takes
+    [0, 1] images as the whole toolkit gives them. A model trained on normalised inputs (normalised
+    outside, e.g. by a torchvision transform) is wrapped with the statistics it was trained with::
+
+        >>> model = nn.Sequential(Normalize(mean=[0.4914, 0.4822, 0.4465], std=[0.2470, 0.2435, 0.2616]), net)
+
+    Arguments:
+        mean: one value per input channel.
+        std: one value per input channel.
+    """
+
     def __init__(self, mean: Iterable[float], std: Iterable[float]):
         super().__init__()
         self.register_buffer("mean", torch.tensor(list(mean)).view(1, -1, 1, 1))
@@ -30,6 +42,27 @@ class Normalize(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.mean) / self.std
+
+
+class Logits(nn.Module):
+    """Log-probabilities of a model that ends in a softmax (its outputs are probabilities): every method of
+    the toolkit takes logits (cross-entropy, PGD, the scan's statistics), and the log of a probability is
+    one up to a constant. Removing the final softmax is better where you can: a probability that rounds
+    to 0 has no gradient left.
+
+        >>> model = Logits(net_ending_in_softmax)
+
+    Arguments:
+        model: the module whose outputs are probabilities (rows of non-negative numbers summing to 1).
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.model(x)
+        return p.clamp_min(torch.finfo(p.dtype).tiny).log()
 
 
 def _normalizer(in_channels: int, mean, std) -> Normalize:

@@ -1,4 +1,4 @@
-"""Small shared helpers: errors, devices, seeds, threads and atomic writes."""
+"""Small shared helpers: errors and warnings, devices, seeds, threads and atomic writes."""
 from __future__ import annotations
 
 import contextlib
@@ -19,6 +19,11 @@ import torch
 
 class PBEError(ValueError):
     """A user mistake (bad path, argument, file). The CLI prints it as one line."""
+
+
+class PBEWarning(UserWarning):
+    """Something a user handed the toolkit looks wrong but may be right (e.g. a model near chance on its
+    data); ``warnings.simplefilter("error", PBEWarning)`` makes it an error. The CLI prints it as one line."""
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -234,3 +239,20 @@ def checkout_suffix(root: Path) -> str:
     except (OSError, subprocess.SubprocessError):
         return ""
     return f"+g{ref[:10]}" + (".dirty" if changed else "")
+
+
+@dataclasses.dataclass
+class Cost:
+    """Image passes spent, the one cost unit of scans, isolation and defences (../shared/PERF.md):
+    epoch-equivalents are (forward+backward passes, every PGD step included, plus forward-only passes / 3)
+    divided by the training-set size."""
+
+    forward_backward: int = 0
+    forward: int = 0
+
+    def add(self, other: "Cost") -> None:
+        self.forward_backward += other.forward_backward
+        self.forward += other.forward
+
+    def epoch_equivalents(self, train_size: int) -> float:
+        return (self.forward_backward + self.forward / 3) / train_size

@@ -1,19 +1,24 @@
 """The bad-input catalogue: every case asserts its exact outcome, a clear error (a PBEError naming the
 problem, or on the command line one line and exit code 2), a refusal, or a correct result.
 
-Classes (README, "Reliability"): datasets, numbers, defence parameters, attacks and attack states,
-checkpoints, run folders, command line. Kills at every write boundary and concurrent writers are in
-tests/test_run_units.py.
+Classes (README, "Reliability"): datasets, numbers, defence parameters, attacks and attack states, models
+and data handed to the Python API (``pbe.checks``), checkpoints, run folders, command line. Kills at every
+write boundary and concurrent writers are in tests/test_run_units.py.
 """
+import copy
 import json
 import os
 import pickle
+import warnings
 
 import numpy as np
 import pytest
 import torch
-from pbe import checkpoint, data, defenses, models, rundir
-from pbe.utils import PBEError, seed_everything
+import torch.nn as nn
+
+import pbe
+from pbe import checkpoint, data, defenses, metrics, models, rundir
+from pbe.utils import PBEError, PBEWarning, seed_everything
 
 import attacks
 
@@ -180,6 +185,36 @@ def test_bad_in_memory_dataset(images, labels, classes, match):
         data.ImageDataset(images, labels, classes)
 
 
+FROM_TENSORS_CASES = [
+    (torch.rand(4, 8, 8, 3), torch.zeros(4, dtype=torch.int64), "channels-last"),
+    (torch.rand(4, 1, 8, 8) * 255, torch.zeros(4, dtype=torch.int64), "divide them by 255"),
+    (torch.randn(4, 1, 8, 8) * 3, torch.zeros(4, dtype=torch.int64), "standardised.*Normalize"),
+    (torch.full((4, 1, 8, 8), float("nan")), torch.zeros(4, dtype=torch.int64), "NaN"),
+    (torch.zeros(4, 1, 8, 8, dtype=torch.int32), torch.zeros(4, dtype=torch.int64), "uint8 .* or float"),
+    (torch.rand(4, 1, 8, 8), torch.zeros(4) + 0.5, "integer class ids"),
+    (torch.rand(4, 1, 8, 8), torch.zeros(3, dtype=torch.int64), "4 images but 3 labels"),
+    (torch.rand(4, 8), torch.zeros(4, dtype=torch.int64), r"\(N, C, H, W\)"),
+]
+
+
+@pytest.mark.parametrize("images,labels,match", FROM_TENSORS_CASES,
+                         ids=["channels-last", "0-255-floats", "standardised", "nan", "int32", "float-labels",
+                              "lengths", "2-d"])
+def test_from_tensors_refuses_what_it_cannot_read(images, labels, match):
+    with pytest.raises(PBEError, match=match):
+        data.ImageDataset.from_tensors(images, labels, classes=10)
+
+
+def test_from_tensors_takes_floats_in_0_1_uint8_and_arrays(digits):
+    test = digits[1]
+    again = data.ImageDataset.from_tensors(test.images.float() / 255, test.labels)
+    assert torch.equal(again.images, test.images) and torch.equal(again.labels, test.labels)
+    assert again.classes == test.classes and again.flip
+    grey = data.ImageDataset.from_tensors(test.images[:, 0].numpy(), test.labels.numpy().astype(np.int32),
+                                          classes=12, flip=False)
+    assert torch.equal(grey.images, test.images) and grey.num_classes == 12 and not grey.flip
+
+
 # ---------------------------------------------------------------- numbers
 RECIPE_CASES = [
     ({"epochs": 0}, "epochs"), ({"epochs": -1}, "epochs"), ({"epochs": 1.5}, "epochs"),
@@ -249,10 +284,10 @@ def test_probe_smaller_than_the_classes():
 
 @pytest.mark.parametrize("threshold", [0.0, 1.5, -1.0])
 def test_bad_kappa_threshold(digits, threshold):
-    from pbe.activations import detect
+    from pbe.activations import kappa_detect
     model = models.create("small_cnn", 10, 1, dataset="digits", width=4, seed=0)
     with pytest.raises(PBEError, match="threshold"):
-        detect(model, digits[1], threshold=threshold)
+        kappa_detect(model, digits[1], threshold=threshold)
 
 
 @pytest.mark.parametrize("k", [0, -1])
@@ -266,11 +301,15 @@ def test_bad_top_k(k):
     ({"images": 5}, "images"), ({"alpha": 0.0}, "alpha"), ({"alpha": 1.0}, "alpha"), ({"l2_rms": 0.0}, "l2_rms"),
     ({"epochs": 0}, "epochs"), ({"warp_shift": 1.0}, "warp_shift"), ({"pgd_eps": 2.0}, "pgd_eps"),
     ({"held_out": 5}, "held_out"), ({"label_budget": 1}, "label_budget"), ({"label_budget": 2.5}, "label_budget"),
-    ({"batch_size": 0}, "batch_size"),
+    ({"batch_size": 0}, "batch_size"), ({"budget": "huge"}, "scan budget"),
 ], ids=["images", "alpha-0", "alpha-1", "l2-0", "epochs-0", "warp", "pgd-eps", "held-out", "budget-1", "budget-float",
-        "batch-0"])
+        "batch-0", "preset"])
 def test_bad_detection_settings(digits, kwargs, match):
-    from pbe.detection import detect
+    from pbe.detection import ScanBudget, detect
+    budget_fields = set(ScanBudget.__dataclass_fields__)
+    kwargs = {**{k: v for k, v in kwargs.items() if k not in budget_fields},
+              **({"budget": ScanBudget(**{k: v for k, v in kwargs.items() if k in budget_fields})}
+                 if budget_fields & set(kwargs) else {})}
     model = models.create("small_cnn", 10, 1, dataset="digits", width=4, seed=0)
     with pytest.raises(PBEError, match=match):
         detect(model, digits[1], **kwargs)
@@ -356,6 +395,117 @@ def test_a_saved_trigger_is_not_rebuilt_for_another_image_size(files):
         attack.apply(torch.rand(2, 3, 32, 32))
 
 
+# ---------------------------------------------------------------- models and data handed to the Python API
+def _plain_three_channel_net():
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+
+
+def _tiny(num_classes=10, channels=1):
+    return models.create("small_cnn", num_classes, channels, dataset="digits", width=4, seed=0)
+
+
+API_CASES = {  # name: (model, data from the digits test split, what the PBEError says)
+    "five-outputs": (lambda: _tiny(5), lambda t: t, "outputs 5 scores per image but .* has 10 classes"),
+    "three-channel-net": (_plain_three_channel_net, lambda t: t,
+                          r"does not take the images .*\(1, 8, 8\).* raised RuntimeError"),
+    "three-channel-model": (lambda: _tiny(10, 3), lambda t: t, "built for 3 input channels .* have 1"),
+    "softmax": (lambda: nn.Sequential(_tiny(), nn.Softmax(dim=1)), lambda t: t, "probabilities.*Logits"),
+    "tensor-dataset": (_tiny, lambda t: torch.utils.data.TensorDataset(t.images.float() / 255, t.labels),
+                       r"must be a pbe\.data\.ImageDataset.*from_tensors\(\*dataset\.tensors\)"),
+    "tuple": (_tiny, lambda t: (t.images, t.labels), r"must be a pbe\.data\.ImageDataset.*from_tensors\(\*data\)"),
+}
+ENTRY_POINTS = {
+    "evaluate": lambda model, d: metrics.evaluate(model, d),
+    "detect": lambda model, d: pbe.detect(model, d),
+    "erase": lambda model, d: pbe.erase(model, d, progress=False),
+    "aft": lambda model, d: pbe.aft(model, d, epochs=1, adv_epochs=1, progress=False),
+    "defence": lambda model, d: defenses.create("ft", epochs=1)(model, d, progress=False),
+}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("case", API_CASES)
+def test_the_python_api_refuses_a_model_or_data_that_do_not_fit(digits, case, entry):
+    """The same checks before any work in pbe.detect, pbe.erase, pbe.aft, every defence and evaluate: one
+    PBEError naming the problem and the fix, never a raw error from deep inside."""
+    make_model, make_data, match = API_CASES[case]
+    with pytest.raises(PBEError, match=match):
+        ENTRY_POINTS[entry](make_model(), make_data(digits[1]))
+
+
+def test_the_fixes_the_errors_name_work(digits):
+    test = digits[1]
+    inner = _tiny()
+    wrapped = models.Logits(nn.Sequential(inner, nn.Softmax(dim=1)))
+    assert torch.equal(metrics.predict(wrapped, test.images), metrics.predict(inner, test.images))
+    tensors = torch.utils.data.TensorDataset(test.images.float() / 255, test.labels)
+    assert metrics.evaluate(inner, data.ImageDataset.from_tensors(*tensors.tensors)) == metrics.evaluate(inner, test)
+
+
+def test_a_model_that_normalises_outside_gets_the_warning(clean_model, digits):
+    """A model trained on standardised images (here: the clean model without its Normalize) is near chance
+    on [0, 1] images: evaluate and the defences warn, naming pbe.models.Normalize; wrapped, it is quiet."""
+    test = digits[1]
+    outside = copy.deepcopy(clean_model)
+    outside.normalize = nn.Identity()
+    with pytest.warns(PBEWarning, match=r"standardised per channel.*pbe\.models\.Normalize"):
+        low = metrics.evaluate(outside, test)["acc"]
+    with pytest.warns(PBEWarning, match="Normalize"):
+        defenses.create("ft", epochs=1)(outside, test.subset(range(100)), progress=False)
+    fixed = nn.Sequential(models.Normalize(*models.DATASET_STATS["digits"]), outside)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PBEWarning)
+        right = metrics.evaluate(fixed, test)["acc"]
+        assert metrics.evaluate(clean_model, test)["acc"] == right > 0.9 > 0.3 > low
+
+
+def test_the_checks_draw_no_random_number_and_restore_the_modes(clean_model, digits):
+    from pbe.checks import check_model_and_data
+    model = copy.deepcopy(clean_model).train()
+    model.block1.eval()  # mixed modes come back as they were
+    modes = [m.training for m in model.modules()]
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    passes = check_model_and_data(model, digits[0], where="test")
+    assert torch.equal(torch.get_rng_state(), before) and [m.training for m in model.modules()] == modes
+    assert 0 < passes <= 512
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), clean_model.state_dict().values()))
+
+
+def test_a_defence_gives_the_same_bits_with_and_without_the_checks(clean_model, digits, monkeypatch):
+    from pbe.defenses import base
+    extra = digits[0].subset(range(200))
+
+    def run():
+        model = copy.deepcopy(clean_model).train()  # a model handed over in train mode: the checks run it in eval
+        return defenses.create("ft", epochs=1)(model, extra, progress=False, evaluation=defenses.Evaluation(digits[1]))
+    checked = run()
+    monkeypatch.setattr(base, "check_model_and_data", lambda *a, **k: 0)
+    monkeypatch.setattr(base, "check_evaluation", lambda *a, **k: None)
+    plain = run()
+    assert checked.report["after"] == plain.report["after"]
+    assert all(torch.equal(a, b) for a, b in zip(checked.model.state_dict().values(),
+                                                 plain.model.state_dict().values()))
+
+
+@pytest.mark.parametrize("attack", ["badnets", object()], ids=["name", "no-apply"])
+def test_an_attack_must_be_an_attack_object(digits, attack):
+    with pytest.raises(PBEError, match="attacks.create"):
+        metrics.evaluate(_tiny(), digits[1], attack=attack)
+    with pytest.raises(PBEError, match="attacks.create"):
+        defenses.create("ft", epochs=1)(_tiny(), digits[1], progress=False,
+                                        evaluation=defenses.Evaluation(digits[1], attack))
+
+
+def test_an_evaluation_test_set_must_match_the_data(digits):
+    with pytest.raises(PBEError, match="evaluation.test_set must be a pbe.data.ImageDataset"):
+        defenses.create("ft", epochs=1)(_tiny(), digits[1], progress=False,
+                                        evaluation=defenses.Evaluation((digits[1].images, digits[1].labels)))
+    other = data.ImageDataset.from_tensors(torch.rand(20, 1, 8, 8), torch.arange(20) % 5)
+    with pytest.raises(PBEError, match="5 classes, the data .* 10"):
+        defenses.create("ft", epochs=1)(_tiny(), digits[1], progress=False, evaluation=defenses.Evaluation(other))
+
+
 # ---------------------------------------------------------------- checkpoints
 def _sidecar(d):
     return json.loads((d / "model.json").read_text())
@@ -423,6 +573,38 @@ def test_fifo_sidecar_is_refused_not_waited_for(files, tmp_path):
     os.mkfifo(d / "model.json")
     with pytest.raises(PBEError, match="not a regular file"):
         checkpoint.load(d)
+
+
+def test_your_own_model_is_saved_and_loaded_into_a_module_you_build(tmp_path):
+    def net(hidden=16):
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+    mine = net()
+    pbe.save(mine, tmp_path / "m", {"dataset": "digits"})
+    with pytest.raises(PBEError, match=r"names no architecture \(the saved model is a torch\.nn.*Sequential.*"
+                                       r"pbe\.load\(path, model=MyNet"):
+        pbe.load(tmp_path / "m")
+    fresh = net()
+    loaded, meta = pbe.load(tmp_path / "m", model=fresh)
+    assert loaded is fresh and meta["dataset"] == "digits" and not loaded.training
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), mine.state_dict().values()))
+    with pytest.raises(PBEError, match=r"other shapes: 1\.weight \[16, 64\] in the file, \[8, 64\] in the model"):
+        pbe.load(tmp_path / "m", model=net(hidden=8))
+    with pytest.raises(PBEError, match=r"missing from the file: 0\.bias, 0\.weight; not in the model: 1\.bias, "
+                                       r"1\.weight, 3\.bias, 3\.weight"):
+        pbe.load(tmp_path / "m", model=nn.Sequential(nn.Linear(64, 16), nn.Flatten()))
+    with pytest.raises(PBEError, match="not both"):
+        pbe.load(tmp_path / "m", model=net(), architecture={"name": "small_cnn", "num_classes": 10})
+    torch.save(mine.state_dict(), tmp_path / "legacy.pt")  # a bare state dict: read weights-only into the module
+    assert torch.equal(pbe.load(tmp_path / "legacy.pt", model=net())[0][1].weight, mine[1].weight)
+
+
+def test_tied_weights_are_saved(tmp_path):
+    tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    tied[1].weight = tied[0].weight
+    pbe.save(tied, tmp_path / "t")
+    other = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    other[1].weight = other[0].weight
+    assert torch.equal(pbe.load(tmp_path / "t", model=other)[0][1].weight, tied[0].weight)
 
 
 # ---------------------------------------------------------------- run folders
@@ -508,6 +690,20 @@ CLI_CASES = [
     (["attack", "--attack", "badnets", "--target", "12", "--epochs", "1", "--out", "{tmp}/a"], "not a label"),
     (["attack", "--attack", "sig", "--param", "mode=both", "--out", "{tmp}/a"], "mode"),
     (["zoo", "build", "cifar10/badnetz"], "did you mean|unknown"),
+    # an option the command or its method would ignore is refused
+    (["detect", "--model", "{model}", "--probe-size", "0"], "--probe-size is an option of --method kappa"),
+    (["detect", "--model", "{model}", "--threshold", "0.5", "--eps", "0.1"], "--threshold, --eps are options of"),
+    (["detect", "--model", "{model}", "--method", "kappa", "--images", "300"], "--images is an option of --method "
+                                                                                 "universal"),
+    (["detect", "--model", "{model}", "--split", "train", "--with-train"], "--with-train .* --split train"),
+    (["evaluate", "--model", "{model}", "--seed", "3"], "unrecognized arguments: --seed"),
+    (["data", "--out", "{tmp}/o"], "unrecognized arguments: --out"),
+    (["erase", "--model", "{model}", "--setting", "clean-extra", "--schedule", "fast", "--out", "{tmp}/e"],
+     "--schedule is PBE's"),
+    (["defend", "--defense", "ss", "--model", "{model}", "--train-data", "digits", "--clean-fraction", "0.1",
+      "--out", "{tmp}/d"], "--clean-fraction is for defences with a clean extra set"),
+    (["defend", "--defense", "ft", "--model", "{model}", "--train-data", "digits", "--out", "{tmp}/d"],
+     "--train-data is for defences without clean data"),
 ]
 
 
@@ -538,3 +734,43 @@ def test_cli_user_error_is_one_line_and_exit_2(files, tmp_path, cli_here, argv, 
     assert rc == 2, err
     assert "Traceback" not in err and re.search(match, err), err
     assert len([line for line in err.splitlines() if line.strip()]) == 1, err
+
+
+def test_cli_an_explicit_dataset_wins_over_the_recorded_one(tmp_path, cli_here):
+    """Without --dataset the command takes the dataset recorded with the model (here mnist, whose files are
+    not there); an explicit --dataset wins, and is checked to fit the model."""
+    checkpoint.save(_tiny(), tmp_path / "m" / "model", {"dataset": "mnist"})
+    rc, err = cli_here("evaluate", "--model", tmp_path / "m")
+    assert rc == 2 and "'mnist' needs a root folder" in err, err
+    rc, err = cli_here("evaluate", "--model", tmp_path / "m", "--dataset", "digits")
+    assert rc == 0, err
+
+
+def test_cli_prints_a_warning_on_one_line(files, cli_here):
+    """An untrained model is near chance: `pbe evaluate` says so in one line, and still answers."""
+    rc, err = cli_here("evaluate", "--model", files["model"])
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 0 and len(lines) == 1 and lines[0].startswith("pbe evaluate: warning: metrics.evaluate: the model is "
+                                                                 "right on"), err
+
+
+def test_scripts_start_the_toolkit_with_their_own_interpreter(monkeypatch, tmp_path):
+    """`path/to/venv/bin/python experiments/reproduce.py` without the venv activated finds no `pbe` on PATH:
+    every experiment cell runs `python -m pbe.cli` with the interpreter running the script, and no script or
+    test starts the `pbe` command by name."""
+    import re
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "experiments"))
+    import common
+    started = []
+    monkeypatch.setattr(common.subprocess, "run", lambda cmd, **kw: started.append(cmd))
+    (tmp_path / "metrics.json").write_text("{}")
+    m = common.run_cell(["pbe", "train", "--out", str(tmp_path)], tmp_path)
+    assert started == [[sys.executable, "-m", "pbe.cli", "train", "--out", str(tmp_path)]]
+    assert m["command"] == f"pbe train --out {tmp_path}"
+    by_name = re.compile(r"""(subprocess\.\w+|Popen|check_output|run)\(\s*\[\s*["']pbe["']""")
+    offenders = [str(p.relative_to(root)) for folder in ("experiments", "tests", "pbe")
+                 for p in (root / folder).rglob("*.py") if by_name.search(p.read_text())]
+    assert offenders == [], offenders

@@ -58,7 +58,8 @@ def test_cli_detect_and_erase_no_clean(attack_run, tmp_path, cli_here):
     assert default["decisions"]["target"] == report["target"]  # what PBE decided, in the summary
     assert default["decisions"]["scan_z"] == report["scan"]["score"]
     assert len(default["decisions"]["trigger_reach"]) == len(report["rounds"])
-    assert default["decisions"]["readmit_target"] == report["readmit_target"] in ("predicted", "none")
+    assert default["decisions"]["plan"] == report["plan"]
+    assert report["plan"]["distrust"] in ("target", "cluster", "none")
     # the run is named by the schedule it resolved to: a folder made by another version of the default
     # (simulated: its recorded lr changed) is another run, not silently reused
     manifest_path = tmp_path / "default" / "manifest.json"

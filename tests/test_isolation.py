@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 
 from pbe.data import ImageDataset
+from pbe.detection import ScanBudget
 from pbe.isolation import EstimatedTrigger, isolate
 from pbe.metrics import predict
-from pbe.utils import PBEError
 
 TARGET = 0
 RATE = 0.15
@@ -203,32 +203,54 @@ def test_isolate_flags_a_label_whose_moving_cluster_is_its_own_prototype_but_sus
     assert toy_iso.suspected[poisoned.poison_indices].all()
 
 
-def test_pbe_isolate_refuses_unlearns_and_relabels_the_isolated_poison(toy):
-    """With `isolate` and no label named by the scan, round 1 never trains on a suspected sample, every
-    batch carries the estimated trigger with the samples' own labels, the backdoor goes, and the
-    isolation is in the report; without the lever the same run leaves the backdoor."""
+def _toy_schedule(**kw):
+    """The default schedule at the toy's scale: one small additive family, no calibration, a constant lr."""
+    from pbe.adversarial import UniversalConfig
+    from pbe.defenses import Schedule
+    from pbe.demo import DIGITS_PGD
+    return Schedule(crop_padding=0, probe_size=100, batch_size=64, monitor_pgd=DIGITS_PGD, lr_schedule="constant",
+                    families=(UniversalConfig(kind="l2", eps=0.5, epochs=1),), universal_images=64,
+                    universal_reach=0.0, adv_batches=(None,) * len(kw["fractions"]), **kw)
+
+
+def _spy_finetune(mp, seen):
+    """Record the estimated trigger (or None) every round of PBE fine-tunes with."""
     import pbe.defenses.pbe as defense
-    from pbe.defenses import Evaluation, erase
-    from pbe.demo import DIGITS_SCHEDULE
-    model, _, poisoned, _ = toy
-    s = replace(DIGITS_SCHEDULE, adv_share=0.0, crop_padding=0, probe_size=100, universal_share=1 / 3, isolate=True,
-                relabel_suspected=True, early_stop=False, fractions=(0.3, 0.5), epochs=(4, 2), adv_batches=(None, None),
-                lr=0.1)
-    seen = []
     real = defense.adversarial_finetune
 
-    def spy(m, data, epochs, adv_batches, sched, ctx, desc, target=None, trigger=None, *rest):
-        seen.append(trigger)
-        return real(m, data, epochs, adv_batches, sched, ctx, desc, target, trigger, *rest)
+    def spy(m, d, s, ctx, **kw):
+        seen.append(kw.get("trigger"))
+        return real(m, d, s, ctx, **kw)
+    mp.setattr(defense, "adversarial_finetune", spy)
 
-    def run(schedule):
+
+def _nothing_found(mp):
+    """make_plan as if the scan and the isolation found nothing (rule 4): the run without their plan."""
+    import pbe.defenses.pbe as defense
+    mp.setattr(defense, "make_plan", lambda **kw: defense.Plan())
+
+
+def test_pbe_isolate_refuses_unlearns_and_relabels_the_isolated_poison(toy):
+    """Where the scan names no label and the isolation confirms a cluster (the plan's rule 2), round 1 never
+    trains on a suspected sample, every batch carries the estimated trigger with the samples' own labels, the
+    backdoor goes, and the isolation is in the report; without that plan the same run leaves the backdoor."""
+    import pbe.defenses.pbe as defense
+    from pbe.defenses import Evaluation, erase
+    model, _, poisoned, _ = toy
+    s = _toy_schedule(fractions=(0.3, 0.5), epochs=(4, 2), lr=0.1)
+    seen = []
+
+    def run(schedule, plain=False):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(defense, "detect", lambda *a, **k: _no_target(poisoned.num_classes))
-            mp.setattr(defense, "adversarial_finetune", spy)
+            _spy_finetune(mp, seen)
+            if plain:
+                _nothing_found(mp)
             return erase(model, poisoned, schedule, seed=0, progress=False,
                          evaluation=Evaluation(poison_indices=poisoned.poison_indices))
     purified, report = run(s)
     assert report["isolation"]["flagged"] == [TARGET] and report["target"] is None
+    assert report["plan"]["distrust"] == "cluster" and report["plan"]["trigger"] == "estimated"
     round1 = set(report["rounds"][0]["subset_indices"])
     assert not round1 & set(poisoned.poison_indices.tolist())
     assert len(seen) == 2 and all(trig is not None for trig in seen)
@@ -237,14 +259,15 @@ def test_pbe_isolate_refuses_unlearns_and_relabels_the_isolated_poison(toy):
     before = (predict(model, lit) == TARGET).float().mean()
     after = (predict(purified, lit) == TARGET).float().mean()
     seen.clear()
-    plain, plain_report = run(replace(s, isolate=False))
-    assert "isolation" not in plain_report and seen == [None, None]
+    plain, plain_report = run(s, plain=True)
+    assert plain_report["plan"]["distrust"] == "none" and seen == [None, None]
     assert before > 0.9 and after < 0.3 < (predict(plain, lit) == TARGET).float().mean()
 
 
 def _no_target(k: int):
     from pbe.detection import Detection
-    return Detection(False, None, 1, 0.0, 1.0, 0.01, [0.0] * k, None, None, None, 2 * k, 0, 0)
+    return Detection(suspected=False, label=None, top_label=1, score=0.0, p_value=1.0, alpha=0.01, rates=[0.0] * k,
+                     label_map=None, gap=None, gap_score=None, images=2 * k, forward_backward=0, forward=0)
 
 
 def test_detect_with_training_data_names_the_target_from_its_poison_cluster(toy):
@@ -252,16 +275,17 @@ def test_detect_with_training_data_names_the_target_from_its_poison_cluster(toy)
     so only the activation clusters of the labelled training set find it; the clean model is spared."""
     from pbe.detection import detect
     model, clean, poisoned, test = toy
-    found = detect(model, test, train_data=poisoned, images=100)
+    found = detect(model, test, train_data=poisoned, budget=ScanBudget(images=100))
     assert found.suspected and found.label == TARGET and found.evidence == "cluster"
     assert found.cluster_labels == [TARGET] and found.isolation["suspected"] > 0
-    alone = detect(model, test, images=100)  # without the training set: not seen
+    alone = detect(model, test, budget=ScanBudget(images=100))  # without the training set: not seen
     assert not alone.suspected and alone.cluster_labels is None
-    spared = detect(clean, test, train_data=poisoned, images=100)  # no cluster: only the data's tell is left
+    # no cluster: only the data's tell is left
+    spared = detect(clean, test, train_data=poisoned, budget=ScanBudget(images=100))
     assert spared.cluster_labels == [] and spared.evidence == "label_share"
     with pytest.MonkeyPatch.context() as mp:  # a sample of each label: random, so the poison (stored after
         mp.setattr("pbe.detection.ISOLATION_PER_LABEL", 100)  # label 0's clean images) is in it
-        sampled = detect(model, test, train_data=poisoned, images=100)
+        sampled = detect(model, test, train_data=poisoned, budget=ScanBudget(images=100))
     assert sampled.cluster_labels == [TARGET]
 
 
@@ -273,7 +297,7 @@ def test_label_share_names_the_relabelled_target_only_where_the_model_statistics
     the share is reported."""
     from pbe.detection import detect, label_share
     model, clean, poisoned, test = toy
-    told = detect(clean, test, train_data=poisoned, images=100)
+    told = detect(clean, test, train_data=poisoned, budget=ScanBudget(images=100))
     assert told.suspected and told.label == TARGET and told.evidence == "label_share" and told.p_value > 0.01
     assert told.share[TARGET] == max(told.share) > 2 and told.share_score > 3
     clean_idx = torch.isin(torch.arange(len(poisoned)), poisoned.poison_indices, invert=True).nonzero().flatten()
@@ -282,54 +306,43 @@ def test_label_share_names_the_relabelled_target_only_where_the_model_statistics
     replaced = ImageDataset(poisoned.images[keep], poisoned.labels[keep], poisoned.classes, poisoned.name, False)
     assert torch.isin(poisoned.poison_indices, keep).sum() == 100  # TARGET's 100: all poison
     assert label_share(replaced.labels, test.labels, CLASSES)[0].abs().max() < 0.05
-    quiet = detect(clean, test, train_data=replaced, images=100)
+    quiet = detect(clean, test, train_data=replaced, budget=ScanBudget(images=100))
     assert not quiet.suspected and quiet.share_score < 3
-    found = detect(model, test, train_data=poisoned, images=100)
+    found = detect(model, test, train_data=poisoned, budget=ScanBudget(images=100))
     assert found.evidence == "cluster" and found.share_score == told.share_score
 
 
-def test_isolate_named_uses_the_cluster_of_a_named_target_and_only_that(toy):
-    """With a target named (here: given), `isolate_named` refuses only that label's poison cluster and
-    unlearns its estimated trigger; naming another label finds no cluster there and leaves the
-    schedule's own levers."""
+def test_a_named_target_is_distrusted_whole_and_its_cluster_held_back(toy):
+    """With a target named (here: given), round 1 has none of its samples (the plan's rule 1) and a poison
+    cluster confirmed in that label is held back as evidence; naming another label finds no cluster there."""
     from pbe.defenses import erase
-    from pbe.demo import DIGITS_SCHEDULE
     model, _, poisoned, _ = toy
-    s = replace(DIGITS_SCHEDULE, adv_share=0.0, crop_padding=0, probe_size=100, universal_share=1 / 3, isolate=True,
-                isolate_named=True, refuse_suspected=True, early_stop=False, fractions=(0.3,), epochs=(1,),
-                adv_batches=(None,), lr=0.1)
-    _, report = erase(model, poisoned, s, seed=0, progress=False, target=TARGET)
-    round1 = torch.tensor(report["rounds"][0]["subset_indices"])
-    poison = torch.zeros(len(poisoned), dtype=torch.bool)
-    poison[poisoned.poison_indices] = True
-    assert report["isolation"]["flagged"] == [TARGET] and not poison[round1].any()
-    assert (poisoned.labels[round1] == TARGET).any()  # the target's clean samples are not refused
-    _, other = erase(model, poisoned, s, seed=0, progress=False, target=TARGET + 1)
-    round1 = torch.tensor(other["rounds"][0]["subset_indices"])
-    assert not (poisoned.labels[round1] == TARGET + 1).any()  # that label refused whole, as without isolation
+    s = _toy_schedule(fractions=(0.3,), epochs=(1,), lr=0.1)
+    for target, cluster in ((TARGET, True), (TARGET + 1, False)):
+        _, report = erase(model, poisoned, s, seed=0, progress=False, target=target)
+        round1 = torch.tensor(report["rounds"][0]["subset_indices"])
+        assert report["plan"]["named_by"] == "given" and report["plan"]["check_cluster"] == cluster
+        assert not (poisoned.labels[round1] == target).any()
 
 
-def test_relabel_all_isolated_gives_every_isolated_sample_another_label(toy):
-    """`relabel_all_isolated`: after round 1 every isolated sample joins round 2, none with its own label."""
+def test_relabel_all_gives_every_isolated_sample_another_label(toy):
+    """Rule 2's relabelling: after round 1 every isolated sample joins round 2, none with its own label."""
     import pbe.defenses.pbe as defense
     from pbe.defenses import erase
-    from pbe.demo import DIGITS_SCHEDULE
     model, _, poisoned, _ = toy
     seen = []
     real = defense.adversarial_finetune
 
-    def spy(m, data, *a):
+    def spy(m, data, s, ctx, **kw):
         seen.append(data)
-        return real(m, data, *a)
-    s = replace(DIGITS_SCHEDULE, adv_share=0.0, crop_padding=0, probe_size=100, universal_share=1 / 3, isolate=True,
-                relabel_suspected=True, relabel_all_isolated=True, early_stop=False, fractions=(0.3, 0.3),
-                epochs=(1, 1), adv_batches=(None, None), lr=0.01)
+        return real(m, data, s, ctx, **kw)
+    s = _toy_schedule(fractions=(0.3, 0.3), epochs=(1, 1), lr=0.01)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(defense, "detect", lambda *a, **k: _no_target(poisoned.num_classes))
         mp.setattr(defense, "adversarial_finetune", spy)
         _, report = erase(model, poisoned, s, seed=0, progress=False)
     suspected = report["isolation"]["suspected"]
-    assert report["rounds"][0]["relabelled"] == suspected > 0
+    assert report["plan"]["relabel"] == "all" and report["rounds"][0]["relabelled"] == suspected > 0
     second = seen[1]
     target_left, target_before = int((second.labels == TARGET).sum()), int((poisoned.labels == TARGET).sum())
     assert len(second) >= suspected and target_left < target_before - suspected // 2
@@ -350,7 +363,7 @@ def clean_label_toy(toy):
 def test_isolate_names_a_whole_poisoned_label_and_its_trigger(clean_label_toy):
     """No cluster to split, so the whole-label test decides: TARGET's all-sample trigger lights the
     corner and moves the model; no sample is suspected (their labels are true); a clean model and
-    `whole_label=False` name nothing."""
+    `find_whole_label=False` name nothing."""
     from pbe.models import penultimate
     model, clean, data = clean_label_toy
     iso, _ = isolate(model, data.images, data.labels, penultimate(model, data.images), torch.Generator().manual_seed(0))
@@ -359,7 +372,7 @@ def test_isolate_names_a_whole_poisoned_label_and_its_trigger(clean_label_toy):
     assert sorted(iso.whole_fooling)[-2] < 0.4
     assert iso.trigger.apply(torch.zeros(1, 1, 8, 8))[0, 0, :2, :2].min() > 0.9
     off, _ = isolate(model, data.images, data.labels, penultimate(model, data.images),
-                     torch.Generator().manual_seed(0), whole_label=False)
+                     torch.Generator().manual_seed(0), find_whole_label=False)
     assert off.whole_label is None and off.trigger is None and off.whole_fooling is None
     spared, _ = isolate(clean, data.images, data.labels, penultimate(clean, data.images),
                         torch.Generator().manual_seed(0))
@@ -379,7 +392,7 @@ def test_detect_counts_a_train_test_gap_only_where_the_whole_label_trigger_confi
     learned = copy.deepcopy(model)
     with torch.no_grad():
         learned.head.weight[TARGET, TARGET] = 0  # the class is the corner, nothing of its own pattern
-    found = detect(learned, test, train_data=data, images=100)
+    found = detect(learned, test, train_data=data, budget=ScanBudget(images=100))
     assert found.gap[TARGET] == max(found.gap) > 0.9 and found.isolation["whole_label"] == TARGET
     assert found.suspected and found.label == TARGET and found.evidence == "gap"
     plain = _textures(clean.patterns.view(CLASSES, 1, 8, 8), torch.Generator().manual_seed(1))
@@ -387,134 +400,76 @@ def test_detect_counts_a_train_test_gap_only_where_the_whole_label_trigger_confi
     mine, other = (test.labels == TARGET).nonzero().flatten(), (test.labels == 1).nonzero().flatten()
     images[mine] = test.images[other[:len(mine)]]
     shifted = ImageDataset(images, test.labels, test.classes, test.name, False)
-    harder = detect(clean, shifted, train_data=plain, images=100)
+    harder = detect(clean, shifted, train_data=plain, budget=ScanBudget(images=100))
     assert harder.gap[TARGET] == max(harder.gap) > 0.9 and harder.scores["gap"] > 10
     assert harder.isolation["whole_label"] is None and not harder.suspected and harder.evidence != "gap"
 
 
-@pytest.mark.parametrize("mode", ["trigger", "refuse", "exclude"])
-def test_pbe_whole_label_unlearns_the_estimated_trigger_and_never_relabels(clean_label_toy, mode):
-    """`whole_label`: every batch carries the whole label's estimated trigger and the backdoor goes
-    (with "off" the same run keeps it); "refuse" also names the label the target, so round 1 has none
-    of its samples, "exclude" neither round; no sample is relabelled, since their labels are true."""
+def test_pbe_whole_label_unlearns_the_estimated_trigger_and_never_relabels(clean_label_toy):
+    """Rule 3: a whole label carrying a trigger is the target, every batch carries its estimated trigger, its
+    samples stay out of both rounds and none is relabelled (their labels are true); the backdoor goes, and
+    without that plan the same run keeps it."""
     import pbe.defenses.pbe as defense
     from pbe.defenses import erase
-    from pbe.demo import DIGITS_SCHEDULE
     model, _, data = clean_label_toy
     seen = []
-    real = defense.adversarial_finetune
+    s = _toy_schedule(fractions=(0.3, 0.5), epochs=(4, 2), lr=0.1)
 
-    def spy(m, d, epochs, adv_batches, sched, ctx, desc, target=None, trigger=None, *rest):
-        seen.append(trigger)
-        return real(m, d, epochs, adv_batches, sched, ctx, desc, target, trigger, *rest)
-    s = replace(DIGITS_SCHEDULE, adv_share=0.0, crop_padding=0, probe_size=100, universal_share=1 / 3, isolate=True,
-                relabel_suspected=True, relabel_all_isolated=True, refuse_suspected=True, early_stop=False,
-                fractions=(0.3, 0.5), epochs=(4, 2), adv_batches=(None, None), lr=0.1, whole_label=mode)
-
-    def run(schedule):
+    def run(plain=False):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(defense, "detect", lambda *a, **k: _no_target(data.num_classes))
-            mp.setattr(defense, "adversarial_finetune", spy)
-            return erase(model, data, schedule, seed=0, progress=False)
-    purified, report = run(s)
-    assert report["isolation"]["whole_label"] == TARGET
+            _spy_finetune(mp, seen)
+            if plain:
+                _nothing_found(mp)
+            return erase(model, data, s, seed=0, progress=False)
+    purified, report = run()
+    assert report["isolation"]["whole_label"] == TARGET and report["plan"]["named_by"] == "whole label"
     assert len(seen) == 2 and all(trig is not None for trig in seen)
-    assert "relabelled" not in report["rounds"][0]
-    round1 = data.labels[report["rounds"][0]["subset_indices"]]
-    round2 = data.labels[report["rounds"][1]["subset_indices"]]
-    assert report["target"] == (None if mode == "trigger" else TARGET)
-    assert (round1 == TARGET).any() == (mode == "trigger") and (round2 == TARGET).any() == (mode != "exclude")
+    assert "relabelled" not in report["rounds"][0] and report["target"] == TARGET
+    for r in report["rounds"]:
+        assert not (data.labels[r["subset_indices"]] == TARGET).any()
     lit = _corner(data.images[(data.labels != TARGET).nonzero().flatten()]).float() / 255
     seen.clear()
-    plain, _ = run(replace(s, whole_label="off"))
+    plain, _ = run(plain=True)
     assert seen == [None, None]
-    with pytest.raises(PBEError, match="whole_label"):
-        replace(s, whole_label="yes")
     assert (predict(purified, lit) == TARGET).float().mean() < 0.3 < (predict(plain, lit) == TARGET).float().mean()
 
 
-def test_named_trigger_adds_the_cluster_trigger_beside_the_optimised_perturbations(toy):
-    """`named_trigger`: with a target named, a poison cluster confirmed in it adds its estimated trigger
-    to the universal share; the optimised perturbations stay, and so does the named target's refusal
-    (its whole label out of round 1). Naming another label finds no cluster there: no trigger."""
+def test_a_held_back_cluster_switches_the_plan_only_when_a_round_missed_its_trigger(toy):
+    """Rule 1 with a confirmed cluster in the named target: round 1 runs the optimised perturbations alone;
+    after it the cluster's estimated trigger is tried on the purified model, and where it still sends
+    VERIFY_REACH of held-out images to the target, round 2 takes the isolation's path (the trigger in place of
+    the perturbations, the cluster refused and relabelled). Where the check does not fire, the run is the one
+    without the check, bit for bit."""
     import pbe.defenses.pbe as defense
-    from pbe.adversarial import UniversalConfig
     from pbe.defenses import erase
-    from pbe.demo import DIGITS_SCHEDULE
-    model, _, poisoned, _ = toy
-    seen, universal_parts, trigger_parts = [], [], []
-    real_finetune, real_universal = defense.adversarial_finetune, defense.apply_universal
-
-    def spy(m, d, epochs, adv_batches, sched, ctx, desc, target=None, trigger=None, combine=False):
-        seen.append((trigger is not None, combine))
-        if trigger is not None:
-            real_apply = trigger.apply
-            trigger.apply = lambda x: trigger_parts.append(len(x)) or real_apply(x)
-        return real_finetune(m, d, epochs, adv_batches, sched, ctx, desc, target, trigger, combine)
-    s = replace(DIGITS_SCHEDULE, adv_share=0.0, crop_padding=0, probe_size=100, isolate=True, named_trigger=True,
-                universal=UniversalConfig(kind="l2", eps=0.5, epochs=1), universal_share=1 / 3, universal_images=64,
-                universal_target=True, refuse_suspected=True, early_stop=False, fractions=(0.3,), epochs=(1,),
-                adv_batches=(None,), lr=0.01)
-
-    def run(target):
-        seen.clear(), universal_parts.clear(), trigger_parts.clear()
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(defense, "adversarial_finetune", spy)
-            mp.setattr(defense, "apply_universal",
-                       lambda x, *a: universal_parts.append(len(x)) or real_universal(x, *a))
-            return erase(model, poisoned, s, seed=0, progress=False, target=target)
-    _, report = run(TARGET)
-    assert report["isolation"]["flagged"] == [TARGET] and seen == [(True, True)]
-    assert universal_parts and trigger_parts  # both parts of the universal share, every batch
-    assert abs(sum(universal_parts) - sum(trigger_parts)) <= len(universal_parts)  # halves
-    round1 = poisoned.labels[report["rounds"][0]["subset_indices"]]
-    assert not (round1 == TARGET).any()  # the named target's refusal, not the cluster's
-    _, other = run(TARGET + 1)
-    assert seen == [(False, False)] and universal_parts and not trigger_parts
-
-
-def test_verify_named_switches_to_the_cluster_trigger_only_when_a_round_missed_it(toy):
-    """`verify_named`: with a target named, round 1 runs the optimised perturbations alone; after it the
-    confirmed cluster's estimated trigger is tried on the purified model, and where it still sends
-    VERIFY_REACH of held-out images to the target, round 2 takes the isolation's path (the trigger in
-    place of the perturbations, the cluster refused and relabelled). Where the check does not fire, the
-    run is the schedule without the lever, bit for bit."""
-    import pbe.defenses.pbe as defense
-    from pbe.adversarial import UniversalConfig
-    from pbe.defenses import erase
-    from pbe.demo import DIGITS_SCHEDULE
     model, _, poisoned, _ = toy
     seen = []
-    real_finetune = defense.adversarial_finetune
-
-    def spy(m, d, epochs, adv_batches, sched, ctx, desc, target=None, trigger=None, combine=False):
-        seen.append((trigger is not None, combine))
-        return real_finetune(m, d, epochs, adv_batches, sched, ctx, desc, target, trigger, combine)
     # lr so small that round 1 leaves the hand-wired backdoor in place: the check must fire
-    s = replace(DIGITS_SCHEDULE, adv_share=0.0, crop_padding=0, probe_size=100, isolate=True,
-                universal=UniversalConfig(kind="l2", eps=0.5, epochs=1), universal_share=1 / 3, universal_images=64,
-                universal_target=True, refuse_suspected=True, relabel_suspected=True, relabel_all_isolated=True,
-                early_stop=False, fractions=(0.3, 0.3), epochs=(1, 1), adv_batches=(None, None), lr=1e-5)
+    s = _toy_schedule(fractions=(0.3, 0.3), epochs=(1, 1), lr=1e-5)
 
-    def run(schedule):
+    def run(unchecked=False):
         seen.clear()
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(defense, "adversarial_finetune", spy)
-            out = erase(model, poisoned, schedule, seed=0, progress=False, target=TARGET)
-        return out, list(seen)
-    (_, report), calls = run(replace(s, verify_named=True))
+            _spy_finetune(mp, seen)
+            if unchecked:
+                real = defense.make_plan
+                mp.setattr(defense, "make_plan", lambda **kw: replace(real(**kw), check_cluster=False))
+            out = erase(model, poisoned, s, seed=0, progress=False, target=TARGET)
+        return out, [t is not None for t in seen]
+    (_, report), calls = run()
     first = report["rounds"][0]
     assert report["isolation"]["flagged"] == [TARGET] and first["trigger_reach"] >= defense.VERIFY_REACH
-    assert first["switched_to_isolation"] and calls == [(False, False), (True, False)]
+    assert first["switched_to_isolation"] and calls == [False, True]
     assert first["relabelled"] == report["isolation"]["suspected"] > 0  # the cluster, relabelled
     poison = torch.zeros(len(poisoned), dtype=torch.bool)
     poison[poisoned.poison_indices] = True
     round2 = torch.tensor(report["rounds"][1]["subset_indices"])
     assert (poisoned.labels[round2] == TARGET).any() and poison[round2].any()  # clean target back, poison relabelled
-    with pytest.MonkeyPatch.context() as mp:  # a check that never fires: the schedule without the lever
+    with pytest.MonkeyPatch.context() as mp:  # a check that never fires: the run without the check
         mp.setattr(defense, "VERIFY_REACH", 1.01)
-        (kept, report), calls = run(replace(s, verify_named=True))
+        (kept, report), calls = run()
     assert "trigger_reach" in report["rounds"][0] and "switched_to_isolation" not in report["rounds"][0]
-    assert calls == [(False, False), (False, False)]
-    (plain, _), _ = run(s)
+    assert calls == [False, False]
+    (plain, _), _ = run(unchecked=True)
     assert all(torch.equal(a, b) for a, b in zip(kept.state_dict().values(), plain.state_dict().values()))

@@ -102,7 +102,7 @@ def test_evaluate_with_attack_and_accuracy_under(digits):
 
         def forward(self, x):
             out = torch.zeros(len(x), 3)
-            out[:, 1] = 1.0
+            out[:, 1] = 2.0  # logits: a row (0, 1, 0) would read as probabilities (pbe.checks refuses those)
             out[x[:, 0, 0, 0] > 0.99, 0] = 5.0
             return out
 

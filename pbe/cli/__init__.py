@@ -1,6 +1,7 @@
 """Command line: ``pbe train | evaluate | data | attack | erase | defend | detect | analyze | demo | zoo``.
 
-One module per command group, each with ``register(sub)``; user mistakes print one line and exit 2.
+One module per command group, each with ``register(sub)``; user mistakes print one line and exit 2, and
+the toolkit's warnings (``PBEWarning``) one line each.
 """
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
 from pbe.cli import attack, defend, train, zoo
-from pbe.utils import PBEError
+from pbe.utils import PBEError, PBEWarning
 
 
 SIGPIPE_EXIT = 141  # what a shell reports for a command stopped by SIGPIPE (128 + 13)
@@ -33,10 +35,24 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _warning_printer(command: str):
+    """``warnings.showwarning`` for a command: a PBEWarning as one line ``pbe CMD: warning: ...``, others as usual."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, PBEWarning):
+            print(f"pbe {command}: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning_printer(args.command)
+            args.func(args)
         sys.stdout.flush()  # here, where a reader that went away is caught below, not at the interpreter's exit
     except PBEError as err:
         print(f"pbe {args.command}: error: {'; '.join(s.strip() for s in str(err).splitlines() if s.strip())}",

@@ -24,16 +24,35 @@ def seed_arg(text: str) -> int:
     return value
 
 
-def add_common(p: argparse.ArgumentParser) -> None:
-    """--device --seed --out --data-root --dataset --no-progress --overwrite."""
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
-    p.add_argument("--seed", type=seed_arg, default=0, help="seed for every random draw, in [0, 2**63) (default: 0)")
-    p.add_argument("--out", type=Path, help="output directory")
+COMMON = ("device", "seed", "out", "progress", "overwrite")  # add_common's options that a command may go without
+DATASETS_HELP = "cifar10 | mnist | gtsrb | digits | imagefolder:PATH | npz:PATH"
+
+
+def add_common(p: argparse.ArgumentParser, *, without: tuple[str, ...] = (), model: bool = False) -> None:
+    """--device --seed --out --data-root --dataset --no-progress --overwrite, but those of ``COMMON`` named in
+    `without`: a command offers no option it would ignore (argparse refuses it). With `model` (the command
+    takes --model), --dataset defaults to the dataset recorded with the model (``resolve_dataset``)."""
+    unknown = set(without) - set(COMMON)
+    if unknown:
+        raise ValueError(f"add_common: unknown options {sorted(unknown)}; known: {COMMON}")
+    if "device" not in without:
+        p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
+    if "seed" not in without:
+        p.add_argument("--seed", type=seed_arg, default=0,
+                       help="seed for every random draw, in [0, 2**63) (default: 0)")
+    if "out" not in without:
+        p.add_argument("--out", type=Path, help="output directory")
     p.add_argument("--data-root", type=Path, help="dataset folder (not needed for the built-in 'digits')")
-    p.add_argument("--dataset", default="digits",
-                   help="cifar10 | mnist | gtsrb | digits | imagefolder:PATH | npz:PATH (default: digits)")
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    p.add_argument("--overwrite", action="store_true", help="replace another run found in --out")
+    if model:
+        p.add_argument("--dataset", help=f"{DATASETS_HELP} (default: the dataset recorded with --model, else "
+                       "digits); given, it wins over the recorded one, and must fit the model (channels, classes, "
+                       "class names, image size)")
+    else:
+        p.add_argument("--dataset", default="digits", help=f"{DATASETS_HELP} (default: digits)")
+    if "progress" not in without:
+        p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    if "overwrite" not in without:
+        p.add_argument("--overwrite", action="store_true", help="replace another run found in --out")
 
 
 def add_model_arg(p: argparse.ArgumentParser, help: str = "checkpoint: directory, .safetensors or its .json") -> None:
@@ -163,12 +182,25 @@ def check_fits(model_meta: dict, data, where: str) -> None:
                         f"{model_meta['image_shape']}")
     if problems:
         raise PBEError(f"{where} does not fit the model: {'; '.join(problems)}; pass the --dataset the model was "
-                       "trained on")
+                       "trained on (or none: the one recorded with the model)")
+
+
+def resolve_dataset(args) -> str:
+    """``args.dataset``, set when --dataset was not given: the dataset recorded in --model's sidecar, else
+    digits. A given --dataset wins (``load_model_and_test`` then checks that it fits the model)."""
+    if args.dataset is None:
+        from pbe import checkpoint
+        recorded = None
+        if Path(args.model).suffix not in (".pt", ".pth"):  # a legacy state dict has no sidecar
+            with contextlib.suppress(PBEError):  # a bad checkpoint is named when it is loaded
+                recorded = checkpoint.read_meta(args.model).get("dataset")
+        args.dataset = recorded if isinstance(recorded, str) else "digits"
+    return args.dataset
 
 
 def load_model_and_test(args):
-    """The checkpoint named by --model (a legacy ``.pt`` with --arch) and the test split of its dataset
-    (the sidecar's, unless --dataset names another one than the default), checked to fit each other."""
+    """The checkpoint named by --model (a legacy ``.pt`` with --arch), on the CPU, and the test split of
+    --dataset (``resolve_dataset``), checked to fit each other."""
     from pbe import checkpoint, data
     arch = getattr(args, "arch", None)
     if arch is not None:
@@ -177,9 +209,8 @@ def load_model_and_test(args):
         except json.JSONDecodeError as err:
             raise PBEError(f"--arch must be JSON, e.g. '{{\"name\": \"preact_resnet18\", \"num_classes\": 10}}'; "
                            f"got {arch!r} ({err})") from err
+    resolve_dataset(args)
     model, meta = checkpoint.load(args.model, device="cpu", architecture=arch)
-    if args.dataset == "digits" and meta.get("dataset") not in (None, "digits"):
-        args.dataset = meta["dataset"]
     test = data.load(args.dataset, args.data_root, "test")
     check_fits(meta, test, f"the test split of {args.dataset}")
     return model, meta, test

@@ -20,10 +20,11 @@ def cmd_train(args) -> dict:
 
 def cmd_evaluate(args) -> dict:
     from pbe import metrics
-    from pbe.utils import check_writable
+    from pbe.utils import check_writable, resolve_device
     if args.out:
         check_writable(args.out)
     model, _, test_set = load_model_and_test(args)
+    model.to(resolve_device(args.device))
     attack = None
     if args.attack_state:
         import attacks
@@ -55,12 +56,12 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("evaluate", help="clean accuracy (and ASR/RA with --attack-state) of a saved model")
-    add_common(p)
+    add_common(p, without=("seed", "overwrite"), model=True)
     add_model_arg(p)
     p.add_argument("--attack-state", help="attack state file saved by `pbe attack`, to measure ASR and RA")
     p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("data", help="load a dataset (decode and cache it) and print its summary")
-    add_common(p)
+    add_common(p, without=("device", "seed", "out", "progress", "overwrite"))
     p.add_argument("--download", action="store_true", help="download the dataset if missing (torchvision)")
     p.set_defaults(func=cmd_data)

@@ -52,13 +52,14 @@ class AFT(Defense):
 
     def _defend(self, model, data, ctx: Context):
         p = self.params
-        s = Schedule(fractions=(1.0,), epochs=(p["epochs"],), adv_batches=(None,), lr=p["lr"],
-                     pgd=p["pgd"] or PAPER_PGD, batch_size=p["batch_size"], crop_padding=p["crop_padding"])
+        s = Schedule(targeted=False, fractions=(1.0,), epochs=(p["epochs"],), adv_batches=(None,), lr=p["lr"],
+                     lr_schedule="constant", pgd_config=p["pgd"] or PAPER_PGD, batch_size=p["batch_size"],
+                     crop_padding=p["crop_padding"])
         probe = probe_indices(data.labels, min(s.probe_size, len(data)), ctx.seed)
         report = {"schedule": s.as_dict(), "clean_size": len(data),
                   "monitor_before": run_monitor(model, data, probe, s, ctx).as_dict(), "rounds": []}
         adv_batches = p["adv_epochs"] * -(-len(data) // s.batch_size)
-        adversarial_finetune(model, data, p["epochs"], adv_batches, s, ctx, "AFT")
+        adversarial_finetune(model, data, s, ctx, epochs=p["epochs"], adv_batches=adv_batches, desc="AFT")
         mon = run_monitor(model, data, probe, s, ctx).as_dict()
         report["rounds"].append({"round": 1, "subset_size": len(data), "epochs": p["epochs"], "monitor": mon,
                                  "metrics": measure(model, ctx.evaluation)})

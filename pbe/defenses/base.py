@@ -30,25 +30,14 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from pbe.checkpoint import load_state, save_state
+from pbe.checks import check_dataset, check_evaluation, check_model_and_data
 from pbe.data import ImageDataset, augment
 from pbe.metrics import der, evaluate, ranking_quality
 from pbe.train import batches, data_fingerprint, lr_factor, rng_state, set_rng_state, tensor_fingerprint
-from pbe.utils import (PBEError, code_fingerprint, hardware_string, json_safe, resolve_device, seed_everything,
+from pbe.utils import (Cost, PBEError, code_fingerprint, hardware_string, json_safe, resolve_device, seed_everything,
                        toolkit_version, use_all_cpus, write_json)
 
 SETTINGS = ("clean-extra", "no-clean")
-
-
-class Cost:
-    """Counts image passes to report epoch-equivalents: (forward+backward passes, every PGD step
-    included, plus forward-only passes / 3) / training-set size (../shared/PERF.md)."""
-
-    def __init__(self):
-        self.forward_backward = 0
-        self.forward = 0
-
-    def epoch_equivalents(self, train_size: int) -> float:
-        return (self.forward_backward + self.forward / 3) / train_size
 
 
 @dataclass
@@ -62,7 +51,7 @@ class Evaluation:
 
 def measure(model: nn.Module, ev: Evaluation | None) -> dict:
     """ACC / ASR / RA of `model` on the evaluation's test set ({} without one)."""
-    return evaluate(model, ev.test_set, ev.attack) if ev is not None and ev.test_set is not None else {}
+    return evaluate(model, ev.test_set, ev.attack, check=False) if ev is not None and ev.test_set is not None else {}
 
 
 @dataclass
@@ -345,10 +334,12 @@ class Defense(ABC):
         `train_size` (the full training set's size) is the unit of the reported epoch-equivalents.
         `state_dir`: a folder where the long loops keep their state, so that a call interrupted there
         resumes when called again the same way, by the same code (see `Stage`; the report's ``resumed``
-        says where); a state there of another call is discarded."""
-        if not isinstance(data, ImageDataset) or len(data) == 0:
-            raise PBEError(f"{self.name} needs a non-empty ImageDataset "
-                           f"({'the clean extra set' if self.setting == 'clean-extra' else 'the training set'})")
+        says where); a state there of another call is discarded. The model, the data and the evaluation
+        are checked first (``pbe.checks``): a mistake is a PBEError naming the fix, before any work."""
+        what = "the clean extra set" if self.setting == "clean-extra" else "the training set"
+        check_dataset(data, where=self.name, what=what)
+        check_evaluation(evaluation, data, where=self.name)  # every refusal before the model's warnings
+        check_model_and_data(model, data, where=self.name, what=what)  # before the seeding: it draws no number
         dev = resolve_device(device)
         if dev.type == "cpu":
             use_all_cpus()
