@@ -51,27 +51,10 @@ class PremiseTable(ResultsTable):
             [("overlap trig-adv / clean-adv", overlap)]
 
     def figure(self):
-        """Per infected model: the share of adversarial labels on the target vs natural confusion, per family."""
-        from pbe.plots import _plt
-        plt = _plt()
-        infected = [r for r in self.rows if r["attack"] != "none"]
-        if not infected:
-            return None
-        labels = [f.label for f in FAMILIES]
-        fig, axes = plt.subplots(len(infected), 1, figsize=(12, 1.9 * len(infected)), squeeze=False, sharex=True)
-        for ax, r in zip(axes[:, 0], infected):
-            share = [100 * (m["target_share"] or 0) for m in r["measurements"]]
-            expected = [100 * (m["expected_share"] or 0) for m in r["measurements"]]
-            pos = range(len(labels))
-            ax.bar([p - 0.2 for p in pos], share, 0.4, label="adversarial labels on the target")
-            ax.bar([p + 0.2 for p in pos], expected, 0.4, label="natural confusion (runner-up)")
-            ax.set_ylabel("%")
-            ax.set_title(f"{r['zoo']} ({r['zoo_set']})", fontsize=9)
-            ax.set_ylim(0, 100)
-        axes[0, 0].legend(fontsize=8, loc="upper left")
-        axes[-1, 0].set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=8)
-        fig.tight_layout()
-        return fig
+        """Per infected model and perturbation family, the share of untargeted adversarial labels on the target
+        against natural confusion, in one heatmap (``pbe.plots.premise_map``)."""
+        from pbe.plots import premise_map
+        return premise_map(self.rows)
 
 
 def run_cell(name: str, probe: int, seed: int) -> dict:

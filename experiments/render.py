@@ -1,6 +1,6 @@
 """Re-render every results table from its JSON: the Markdown table, the CSV beside it and the figure
 (PNG) where the table draws one, then the overview figures that read several tables (OVERVIEWS: the
-README's first figure, the premise in one picture). Nothing is measured; run it after editing a renderer
+README's first figure). Nothing is measured; run it after editing a renderer
 or a JSON.
 
     python experiments/render.py [--only pbe_cifar10 detect pbe_default_cifar10] [--figures-only]
@@ -11,7 +11,7 @@ import argparse
 
 from grid import HERE, SCRIPTS, load_config, module, script_main
 
-from pbe.plots import _save, before_after, premise_map
+from pbe.plots import _save, before_after
 
 
 def tables() -> dict:
@@ -54,14 +54,8 @@ def default_figure(found: dict):
                               "(green: ASR <= 3 %, ACC drop <= 3 points, <= 3 epoch-equivalents)")
 
 
-def premise_figure(found: dict):
-    """The premise table in one picture: per infected model and perturbation family, the share of untargeted
-    adversarial labels on the target against natural confusion."""
-    return premise_map(found["premise_cifar10"].rows)
-
-
 # figures that read several tables (or draw one table another way): file stem -> function of the tables
-OVERVIEWS = {"pbe_default_cifar10": default_figure, "premise_cifar10_map": premise_figure}
+OVERVIEWS = {"pbe_default_cifar10": default_figure}
 
 
 def main() -> None:

@@ -29,8 +29,10 @@ def plot_rounds(report: dict, path: str | Path) -> None:
         ax[0].legend()
     ax[1].plot(rounds, [m["top_kappa"] for m in mons], marker="o", label="kappa of the top label")
     ax[1].axhline(mons[0]["threshold"], color="grey", ls="--", label="threshold")
-    ax[1].set(xlabel="round", title="adversarial-label monitor")
+    ax[1].set(xlabel="round", ylabel="kappa", title="adversarial-label monitor")
     ax[1].legend()
+    for a in ax:
+        a.set_xticks(rounds)  # whole rounds only
     fig.tight_layout()
     _save(fig, path)
 
