@@ -14,7 +14,7 @@ import time
 from contextlib import contextmanager
 
 from pbe.adversarial import PGDConfig
-from pbe.defenses.pbe import Schedule
+from pbe.defenses.pbe import ACC_DROP_WARNING, Schedule
 
 # 8x8 digits with 17 grey levels need a larger budget than 32x32 photographs (6/255).
 DIGITS_PGD = PGDConfig(eps=0.1, steps=5, step=0.1 / 3)
@@ -31,8 +31,6 @@ DIGITS_SCHEDULE = Schedule(targeted=False, fractions=(0.1, 0.5), epochs=(8, 6), 
 
 # what the demo plants
 ATTACK, TARGET, RATE, TRAIN_EPOCHS = "blend", 0, 0.1, 12
-# a clean-accuracy drop (a share) above which the demo prints a warning line
-ACC_DROP_WARNING = 0.03
 
 
 def demo_threads(threads: int | None = None) -> int:

@@ -557,3 +557,27 @@ def test_all_to_all_map_needs_one_target_per_source_not_one_label_for_all():
     onto_one[1:, 0] = 0.9
     assert all_to_all_map(onto_one, n, ALPHA) is None
     assert all_to_all_map(base, n, ALPHA) is None
+
+
+def test_pbe_warns_when_it_found_nothing_to_aim_at_or_estimates_a_large_drop(clean_model, digits):
+    """No silent damage: where nothing was named or isolated PBE says its fine-tuning was untargeted; an estimated
+    drop above ACC_DROP_WARNING is said too; a run's report carries what it warned."""
+    import warnings
+
+    from pbe.defenses.pbe import ACC_DROP_WARNING, warn_on
+    from pbe.utils import PBEWarning
+    quiet = {"schedule": {"targeted": True}, "plan": {"distrust": "target"}, "acc_drop_estimate": {"estimate": 0.0}}
+    assert warn_on(quiet) == []
+    with pytest.warns(PBEWarning, match="untargeted"):
+        assert len(warn_on({**quiet, "plan": {"distrust": "none"}})) == 1
+    assert warn_on({**quiet, "schedule": {"targeted": False}, "plan": {"distrust": "none"}}) == []  # asked for
+    with pytest.warns(PBEWarning, match="points of clean accuracy"):
+        assert len(warn_on({**quiet, "acc_drop_estimate": {"estimate": ACC_DROP_WARNING + 0.01}})) == 1
+    s = digits_default(fractions=(0.1,), epochs=(1,), adv_batches=(None,), universal_images=64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, report = erase(clean_model, digits[0], s, seed=0, progress=False)
+    said = [str(w.message) for w in caught if issubclass(w.category, PBEWarning)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert report["warnings"] == said == warn_on(report)

@@ -27,6 +27,7 @@ by the optional ``Evaluation``, which measures the report in one place (``ground
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -42,7 +43,7 @@ from pbe.defenses.base import Context, Defense, Evaluation, measure, sgd_finetun
 from pbe.isolation import HELD_OUT, MIN_FOOLING, EstimatedTrigger, Isolation, isolate
 from pbe.metrics import predict, ranking_quality
 from pbe.models import has_linear_head, penultimate
-from pbe.utils import Cost, PBEError
+from pbe.utils import Cost, PBEError, PBEWarning
 
 LR_SCHEDULES = ("constant", "cosine")
 # the default's universal families: additive (L2, the scan's budget per pixel) and a smooth warp
@@ -415,6 +416,27 @@ def acc_drop_estimate(z0: torch.Tensor, z: torch.Tensor, labels: torch.Tensor, a
             "per_label": [round(d, 5) for d in drops]}
 
 
+# an estimated clean-accuracy drop (a share) above which PBE warns: the goal's 3 points
+ACC_DROP_WARNING = 0.03
+
+
+def warn_on(report: dict) -> list[str]:
+    """What PBE says a user must know from its own report, without ground truth: it found nothing to aim at (so
+    its fine-tuning was untargeted), or it estimates it cost more than ACC_DROP_WARNING of clean accuracy. Each
+    message is also issued as a ``PBEWarning``."""
+    said, plan = [], report.get("plan") or {}
+    if report["schedule"]["targeted"] and plan.get("distrust") == "none":
+        said.append("pbe: neither the target scan nor the isolation found a backdoor, so the fine-tuning was "
+                    "untargeted and may have left one in place; pass target= if you know the target label")
+    estimate = (report.get("acc_drop_estimate") or {}).get("estimate")
+    if estimate is not None and estimate > ACC_DROP_WARNING:
+        said.append(f"pbe: it estimates that the erasure cost {100 * estimate:.1f} points of clean accuracy (from "
+                    "training samples it never fine-tuned on); measure the purified model on held-out clean data")
+    for message in said:
+        warnings.warn(message, PBEWarning, stacklevel=3)
+    return said
+
+
 def ground_truth(model: nn.Module, ev: Evaluation | None, suspicion: torch.Tensor, z: torch.Tensor,
                  z0: torch.Tensor, changed: torch.Tensor | None) -> dict:
     """What the caller's ``Evaluation`` says of a round (never used by the defence): ACC / ASR / RA, how well
@@ -563,6 +585,7 @@ class PBE(Defense):
         report.update(plan=asdict(state.plan), scores=[round(float(v), 6) for v in suspicion], stopped_early=stopped,
                       monitor_after=report["rounds"][-1]["monitor"],
                       acc_drop_estimate=acc_drop_estimate(z0, z, data.labels, state.allowed, state.trained))
+        report["warnings"] = warn_on(report)
         return model, report, None
 
     @staticmethod
