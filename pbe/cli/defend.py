@@ -56,7 +56,6 @@ def _poisoned_from(run_dir: Path, clean_train):
 
 
 DEFENSE_STATE = "state"  # in the staging folder: the defence's resumable stages (Defense.__call__'s state_dir)
-ACC_DROP_WARNING = 0.03  # warn when a defence without clean data estimates a larger clean-accuracy drop
 CLEAN_FRACTION = 0.05  # clean-extra defences: the share of the clean training set they get (BackdoorBench's)
 
 
@@ -140,12 +139,8 @@ def run_defense(args, defense) -> dict:
             from pbe.defenses.pbe import decisions
             summary["decisions"] = decisions(report)
         estimate = (report.get("acc_drop_estimate") or {}).get("estimate")
-        if estimate is not None:
+        if estimate is not None:  # above pbe.defenses.pbe.ACC_DROP_WARNING the defence has warned (PBEWarning)
             summary["acc_drop_estimate"] = estimate
-            if estimate > ACC_DROP_WARNING:
-                print(f"pbe {args.command}: warning: {defense.name} estimates it cost {100 * estimate:.1f} points of "
-                      f"clean accuracy (more than {100 * ACC_DROP_WARNING:.0f}); check the purified model on clean "
-                      "data, or try a smaller --lr", file=sys.stderr)
         kept = {k: v for k, v in meta.items() if k not in ("metrics", "run")}  # the input's run is not this one
         checkpoint.save(result.model, stage / "model", {**kept, "defense": defense.name, "setting": defense.setting,
                                                         "seed": args.seed, "run": run, "metrics": summary})

@@ -427,11 +427,13 @@ def warn_on(report: dict) -> list[str]:
     said, plan = [], report.get("plan") or {}
     if report["schedule"]["targeted"] and plan.get("distrust") == "none":
         said.append("pbe: neither the target scan nor the isolation found a backdoor, so the fine-tuning was "
-                    "untargeted and may have left one in place; pass target= if you know the target label")
+                    "untargeted and may have left one in place; if you know the target label, pass it (target=, "
+                    "CLI --target)")
     estimate = (report.get("acc_drop_estimate") or {}).get("estimate")
     if estimate is not None and estimate > ACC_DROP_WARNING:
         said.append(f"pbe: it estimates that the erasure cost {100 * estimate:.1f} points of clean accuracy (from "
-                    "training samples it never fine-tuned on); measure the purified model on held-out clean data")
+                    "training samples it never fine-tuned on); measure the purified model on held-out clean data, "
+                    "or try a smaller lr")
     for message in said:
         warnings.warn(message, PBEWarning, stacklevel=3)
     return said
