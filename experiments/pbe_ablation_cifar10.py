@@ -49,6 +49,12 @@ VARIANTS = {
                    "the same label by the same evidence, the run after the scan is the default's, bit for bit",
                    replace(DEFAULT, scan_budget=replace(SCAN_BUDGETS["pbe"], epochs=1, batch_size=16))),
     "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
+    "no_augment": ("the default fine-tuning without random crops (crop_padding 0; flips stay where the data allows "
+                   "them): does augmentation a model was not trained with cost it accuracy?",
+                   replace(DEFAULT, crop_padding=0)),
+    "no_calibration": ("the default with the universal budget kept at the scan's (universal_reach 0: no doubling "
+                       "until it reaches 80 % of held-out images)", replace(DEFAULT, universal_reach=0.0)),
+    "lr3e-4": ("the default at lr 3e-4 (1e-3)", replace(DEFAULT, lr=3e-4)),
 }
 
 
