@@ -618,8 +618,8 @@ class PBE(Defense):
         else:
             iso = run_isolation(original, data, feats, named is not None, ctx)
             report["isolation"] = iso.as_dict()
-        cluster = iso is not None and bool((iso.suspected & (data.labels == named if named is not None
-                                                              else True)).any())
+        in_named = iso.suspected & (data.labels == named) if iso is not None and named is not None else None
+        cluster = iso is not None and bool((iso.suspected if in_named is None else in_named).any())
         plan = make_plan(given=given, scan_label=scan_label, scan_evidence=scan.evidence if supported else None,
                          cluster=cluster, whole_label=None if iso is None else iso.whole_label, labels=data.labels)
         if plan.target is not None and iso is not None:
