@@ -123,7 +123,7 @@ class BackdoorAttack(nn.Module, ABC):
         chosen = pool[torch.randperm(len(pool), generator=gen)[:n_poison]].sort().values
         images, labels = dataset.images.clone(), dataset.labels.clone()
         self.prepare(dataset.image_shape)
-        images[chosen] = self._batched_uint8(images[chosen], train=True)
+        images[chosen] = self._poison_images(images[chosen], dataset.labels[chosen], gen)
         if not self.clean_label:
             labels[chosen] = self.target_of(dataset.labels[chosen], dataset.num_classes)
         extra = self._extra_poison(images, labels, chosen, gen)
@@ -135,6 +135,12 @@ class BackdoorAttack(nn.Module, ABC):
         out = [to_uint8(self.apply(images[s:s + batch_size].float() / 255, train))
                for s in range(0, len(images), batch_size)]
         return torch.cat(out) if out else images
+
+    def _poison_images(self, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """The poisoned training copies (uint8) of the chosen samples; hook for attacks whose training
+        poison differs per sample beyond the trigger (LC's adversarial step, the adaptive attacks' partial
+        triggers). `labels` are their true labels."""
+        return self._batched_uint8(images, train=True)
 
     def _extra_poison(self, images, labels, chosen, generator) -> torch.Tensor | None:
         """Hook for attacks that also alter non-poisoned samples in place (WaNet's noise mode)."""
@@ -161,6 +167,19 @@ class BackdoorAttack(nn.Module, ABC):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.params().items())
+
+
+def clean_surrogate(model: nn.Module, train_set: ImageDataset, recipe, epochs: int, seed: int = 0,
+                    device="auto", progress: bool = False) -> nn.Module:
+    """The attacker's clean model: a copy of `model` trained `epochs` epochs on the clean `train_set`
+    with `recipe` (TrojanNN optimises its trigger on it, LC perturbs with it). Returned in eval mode with
+    its parameters frozen."""
+    import copy
+
+    from pbe.train import train
+    surrogate = copy.deepcopy(model)
+    train(surrogate, train_set, None, recipe, seed=seed, device=device, progress=progress, epochs=int(epochs))
+    return surrogate.eval().requires_grad_(False)
 
 
 def load_state(path: str | Path, registry: dict) -> BackdoorAttack:
