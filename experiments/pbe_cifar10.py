@@ -34,7 +34,8 @@ def results_table(cfg: dict | None = None) -> DefenceTable:
     """This script's table for a config's dataset (``experiments/render.py`` re-renders it)."""
     dataset = (cfg or CONFIG)["dataset"]
     return DefenceTable(RESULTS / f"pbe_{dataset}", f"PBE and AFT on infected {dataset} zoo models",
-                        f"python experiments/pbe_cifar10.py --dataset {dataset}", summarise=set_means_markdown)
+                        f"python experiments/pbe_cifar10.py --dataset {dataset}",
+                        summarise=lambda rows: summary_markdown(rows, dataset))
 
 
 def meets_goal(r: dict) -> bool:
@@ -42,34 +43,76 @@ def meets_goal(r: dict) -> bool:
             and r["epoch_equivalents"] <= GOAL_EE)
 
 
-def set_means_markdown(rows: list[dict]) -> str:
-    """Per zoo set and schedule (the latest of each zoo model's rows, target not given): how many models
-    meet the goal, and the means of ACC drop, ASR after and epoch-equivalents, also without the model of
-    the highest ASR after, so that one model's failure is seen apart from the rest."""
-    groups: dict[tuple, dict] = {}
+def latest_by_model(rows: list[dict]) -> dict[tuple, dict]:
+    """(zoo set, defence name, zoo model) -> the latest row (a rerun replaces), target not given."""
+    latest = {}
     for r in rows:
-        if r.get("zoo") and not r.get("given_target"):
-            groups.setdefault((r.get("zoo_set") or "–", defence_name(r)), {})[r["zoo"]] = r  # a rerun replaces
-    if not groups:
-        return ""
-    lines = ["## Means per zoo set and schedule", "",
-             f"Goal: ASR after <= {100 * GOAL_ASR:g} %, at most {100 * GOAL_ACC_DROP:g} ACC points lost and "
-             f"<= {GOAL_EE:g} epoch-equivalents. ACC drop and ASR in points / %; the last column leaves out the "
-             "model with the highest ASR after.", "",
-             "| set | schedule | models | goal met | ACC drop | ASR after | epoch-eq. | ASR after without the worst |",
-             "|---|---|---|---|---|---|---|---|"]
+        if r.get("zoo") and not r.get("given_target") and r.get("asr") is not None:
+            latest[(r.get("zoo_set") or "–", defence_name(r), r["zoo"])] = r
+    return latest
 
-    def mean(rs, f):
+
+def defaults_elsewhere(dataset: str) -> list[dict]:
+    """PBE's default rows of this dataset's defences table (the first dev models ran there, beside every other
+    defence), so that the summary covers every zoo model the default ran on."""
+    path = RESULTS / f"defenses_{dataset}.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    return [r for r in rows if r["defense"] == "pbe" and defence_name(r) == f"pbe ({DEFAULT_SCHEDULE})"]
+
+
+def _family(r: dict) -> str:
+    return r["model"].split("(")[0]
+
+
+def _attack(r: dict) -> str:
+    return r["attack"] + (" all-to-all" if r.get("all_to_all") else "")
+
+
+def _rate(r: dict) -> str:
+    return f"{100 * r['rate']:g} %"
+
+
+def _means_line(label: str, rs: list[dict]) -> str:
+    def mean(f):
         return sum(f(r) for r in rs) / len(rs)
-    for (zoo_set, name), by_model in sorted(groups.items()):
-        rs = list(by_model.values())
+    return (f"| {label} | {len(rs)} | {sum(map(meets_goal, rs))} of {len(rs)} | "
+            f"{100 * mean(lambda r: r['acc_before'] - r['acc']):.2f} | {100 * mean(lambda r: r['asr']):.2f} | "
+            f"{mean(lambda r: r['epoch_equivalents']):.2f} |")
+
+
+def summary_markdown(rows: list[dict], dataset: str = "cifar10") -> str:
+    """PBE's default per zoo set, with its means per attack, architecture family and poison rate (its rows here
+    and in the defences table, the latest per model); then every schedule's means per zoo set, also without the
+    model of the highest ASR after, so that one model's failure is seen apart from the rest."""
+    latest = latest_by_model(defaults_elsewhere(dataset) + rows)
+    if not latest:
+        return ""
+    goal = (f"Goal: ASR after <= {100 * GOAL_ASR:g} %, at most {100 * GOAL_ACC_DROP:g} ACC points lost and "
+            f"<= {GOAL_EE:g} epoch-equivalents. ACC drop in points, ASR after in %.")
+    head = ["| {} | models | goal met | ACC drop | ASR after | epoch-eq. |", "|---|---|---|---|---|---|"]
+    lines = [f"## PBE's default ({DEFAULT_SCHEDULE}) per zoo set", "", goal,
+             "Every infected model the default ran on (no clean data, no trigger, no target given).", ""]
+    for zoo_set in ("dev", "generalisation"):
+        rs = [r for (s, name, _), r in latest.items() if s == zoo_set and name == f"pbe ({DEFAULT_SCHEDULE})"]
+        if not rs:
+            continue
+        lines += [f"### {zoo_set} set", "", head[0].format("group"), head[1], _means_line("**all**", rs)]
+        for title, key in (("attack", _attack), ("architecture", _family), ("poison rate", _rate)):
+            for value in sorted({key(r) for r in rs}, key=lambda v: (len(v), v) if key is _rate else v):
+                lines.append(_means_line(f"{title}: {value}", [r for r in rs if key(r) == value]))
+        lines.append("")
+    lines += ["## This table's rows: means per zoo set and schedule", "", goal + " The last column leaves out the "
+              "model with the highest ASR after.", "",
+              "| set | schedule | models | goal met | ACC drop | ASR after | epoch-eq. | ASR after without the worst |",
+              "|---|---|---|---|---|---|---|---|"]
+    groups: dict[tuple, list] = {}
+    for (zoo_set, name, _), r in latest_by_model(rows).items():
+        groups.setdefault((zoo_set, name), []).append(r)
+    for (zoo_set, name), rs in sorted(groups.items()):
         worst = max(rs, key=lambda r: r["asr"])
         rest = [r for r in rs if r is not worst]
-        without = f"{100 * mean(rest, lambda r: r['asr']):.2f} (without `{worst['zoo']}`)" if rest else "–"
-        lines.append(f"| {zoo_set} | {name} | {len(rs)} | {sum(map(meets_goal, rs))} of {len(rs)} | "
-                     f"{100 * mean(rs, lambda r: r['acc_before'] - r['acc']):.2f} | "
-                     f"{100 * mean(rs, lambda r: r['asr']):.2f} | {mean(rs, lambda r: r['epoch_equivalents']):.2f} | "
-                     f"{without} |")
+        without = f"{100 * sum(r['asr'] for r in rest) / len(rest):.2f} (without `{worst['zoo']}`)" if rest else "–"
+        lines.append(_means_line(f"{zoo_set} | {name}", rs)[:-1] + f"| {without} |")
     return "\n".join(lines)
 
 

@@ -144,14 +144,18 @@ def _attack_words(p: dict) -> str:
     return p["attack"]
 
 
+NAMED_BY = {"given": "given by the user", "scan": "named by the trigger-free scan",
+            "scan and cluster": "the scan's weak evidence, confirmed by a poison cluster in that label",
+            "weak scan": "the trigger-free scan's top label, on weak evidence",
+            "whole label": "a label whose every training sample carries a trigger"}
+
+
 def _plan_words(plan: dict, schedule: str) -> str:
     if plan["target"] is None:
         why = "an untargeted schedule names none" if "untargeted" in schedule else "the scan named none"
         words = f"no target label ({why})"
     else:
-        by = {"given": "given by the user", "scan": "named by the trigger-free scan",
-              "whole label": "a label whose every training sample carries a trigger"}.get(plan["named_by"],
-                                                                                      plan["named_by"])
+        by = NAMED_BY.get(plan["named_by"], plan["named_by"])
         words = f"target label {plan['target']} ({by})"
     distrust = {"none": "no training samples distrusted", "target": "the target label's samples distrusted",
                 "cluster": "an isolated cluster of samples distrusted"}.get(plan["distrust"], plan["distrust"])

@@ -38,10 +38,13 @@ Poison-label backdoors whose trigger is no small perturbation (SIG's sinusoid wi
 and all-to-all ones are seen by none of these, but with `train_data` their poison is a separate
 activation cluster of its label whose mean image, as a trigger, moves the model
 (``pbe.isolation``, after Activation Clustering, Chen et al. 2019), measured on up to
-``ISOLATION_PER_LABEL`` training images per label. When no statistic is significant, a label so
-flagged is the suspected target (``evidence = "cluster"``); several flagged labels (an all-to-all
-backdoor) are suspected with no single target (``label`` None, ``cluster_labels`` lists them). This
-decision has no p-value of its own: its thresholds are ``pbe.isolation``'s.
+``ISOLATION_PER_LABEL`` training images per label. A label so flagged is the suspected target
+(``evidence = "cluster"``); several flagged labels (an all-to-all backdoor) are suspected with no single
+target (``label`` None, ``cluster_labels`` lists them). A confirmed cluster decides before the statistics:
+it is poison found in the data and shown to work as a trigger, where a statistic only says that one label is
+easier to reach than the others, as a clean model's natural sink is (a third-party LeNet's training-set
+scan named label 9 at p 0.00999 while its poison sat in a cluster of label 0). This decision has no p-value
+of its own: its thresholds are ``pbe.isolation``'s, and no clean zoo model has a confirmed cluster.
 
 With `train_data`, one more piece of evidence concerns the data rather than the model: a poison-label
 backdoor relabels other classes' images as its target, so the target's share of the training labels
@@ -161,6 +164,7 @@ class Detection:
     isolation: dict | None = None  # pbe.isolation's findings on the training sample
     share: list[float] | None = None  # per label, training-label share / test-label share (with train_data)
     share_score: float | None = None  # the robust z of the top label's log share ratio
+    tests: dict | None = None  # the statistics the verdict weighed: name -> [top label, robust z, p-value]
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -235,10 +239,15 @@ def share_score(log_ratio: torch.Tensor, se: torch.Tensor) -> tuple[int, float, 
     return top, z, _p_value(z, len(log_ratio))
 
 
+def label_z(rates: torch.Tensor, label: int, n: int) -> float:
+    """The robust z of `label`'s logit rate among the labels' (rates measured on `n` images each)."""
+    return _robust_z(_logit(rates, n), label, _logit_noise_floor(rates, label, n))
+
+
 def label_scores(rates: torch.Tensor, n: int) -> tuple[int, float, float]:
     """(top label, its robust z among the labels' logit rates, p-value of the max of C such z)."""
     top = int(rates.argmax())
-    z = _robust_z(_logit(rates, n), top, _logit_noise_floor(rates, top, n))
+    z = label_z(rates, top, n)
     return top, z, _p_value(z, len(rates))
 
 
@@ -334,21 +343,21 @@ def decide(tests: dict[str, tuple[int, float, float]], tried: int, alpha: float,
            share: tuple[int, float, float] | None) -> Verdict:
     """The detection verdict, by the first of these rules that holds:
 
-    1. **model statistic**: the statistic of `tests` (name -> (top label, robust z, p-value)) with the smallest
-       p-value, Bonferroni-corrected for the `tried` statistics, is below `alpha`: its top label is the target.
-    2. **cluster**: the isolation confirmed a poison cluster (`cluster_labels`): one label is the target;
+    1. **cluster**: the isolation confirmed a poison cluster (`cluster_labels`): one label is the target;
        several (an all-to-all backdoor) are suspected with no single target. Its thresholds are
-       ``pbe.isolation``'s; it has no p-value of its own.
+       ``pbe.isolation``'s; it has no p-value of its own (the module docstring says why it comes first).
+    2. **model statistic**: the statistic of `tests` (name -> (top label, robust z, p-value)) with the smallest
+       p-value, Bonferroni-corrected for the `tried` statistics, is below `alpha`: its top label is the target.
     3. **label share**: the training labels' share test (`share`: top label, z, p-value) is below `alpha`:
        the data's tell, where the model's said nothing.
     4. otherwise nothing is suspected.
     """
     evidence, (top, z, p) = min(tests.items(), key=lambda kv: kv[1][2])
     p = min(1.0, tried * p)
-    if p < alpha:
-        return Verdict(True, top, evidence, top, z, p)
     if cluster_labels:
         return Verdict(True, cluster_labels[0] if len(cluster_labels) == 1 else None, "cluster", top, z, p)
+    if p < alpha:
+        return Verdict(True, top, evidence, top, z, p)
     if share is not None and share[2] < alpha:
         return Verdict(True, share[0], "label_share", top, z, p)
     return Verdict(False, None, evidence, top, z, p)
@@ -397,11 +406,7 @@ def detect(model: nn.Module, dataset, *, budget: str | ScanBudget = "detect", l2
     # 1. two halves of the images: one fits each label's perturbations, the other measures them
     images, held_out = scaled(b.images), scaled(held_out) if b.scale_held_out else held_out
     gen = torch.Generator().manual_seed(seed)
-    pick = torch.randperm(len(dataset), generator=gen)[:images + held_out]
-    x, y = dataset.images[pick], dataset.labels[pick]
-    half = len(pick) * images // (images + held_out)  # (= images unless the dataset is smaller)
-    (xo, yo), (xh, yh) = (x[:half], y[:half]), (x[half:], y[half:])
-    xh = xh.float() / 255 if xh.dtype == torch.uint8 else xh
+    (xo, yo), (xh, yh) = scan_images(dataset, images, held_out, gen)
     # 2. per label: the reach of a small universal perturbation of each family (and of per-image PGD)
     reach = _scan_labels(model, xo, yo, xh, yh, k, l2_rms, warp_shift, pgd_eps, b, gen, progress)
     n_measured = int(len(xh) * (k - 1) / k)
@@ -427,12 +432,34 @@ def detect(model: nn.Module, dataset, *, budget: str | ScanBudget = "detect", l2
     return Detection(
         suspected=v.suspected, label=v.label, top_label=v.top_label, score=round(v.score, 3), p_value=v.p_value,
         alpha=alpha, rates=[round(r, 4) for r in reach.rates], label_map=label_map, gap=gap,
-        gap_score=None if gap_z is None else round(gap_z, 3), images=len(pick),
+        gap_score=None if gap_z is None else round(gap_z, 3), images=len(xo) + len(xh),
         forward_backward=cost.forward_backward, forward=cost.forward, evidence=v.evidence,
         per_image_rates=[round(r, 4) for r in reach.per_image] or None,
         warp_rates=[round(r, 4) for r in reach.warp_rates] or None, scores=scores,
         cluster_labels=None if iso is None else iso.flagged, isolation=None if iso is None else iso.as_dict(),
-        share=share, share_score=None if shared is None else round(shared[1], 3))
+        share=share, share_score=None if shared is None else round(shared[1], 3),
+        tests={name: [t[0], round(t[1], 3), t[2]] for name, t in tests.items()})
+
+
+def scan_images(dataset, images: int, held_out: int, gen: torch.Generator) -> tuple[tuple, tuple]:
+    """The scan's two halves of `dataset`: `images` (uint8) that fit each label's perturbation and `held_out`
+    (float in [0, 1]) that measure it, drawn with `gen`, each with its labels."""
+    pick = torch.randperm(len(dataset), generator=gen)[:images + held_out]
+    x, y = dataset.images[pick], dataset.labels[pick]
+    half = len(pick) * images // (images + held_out)  # (= images unless the dataset is smaller)
+    (xo, yo), (xh, yh) = (x[:half], y[:half]), (x[half:], y[half:])
+    return (xo, yo), (xh.float() / 255 if xh.dtype == torch.uint8 else xh, yh)
+
+
+def scan_families(shape, l2_rms: float, warp_shift: float, b: ScanBudget) -> dict[str, UniversalConfig]:
+    """The scan's perturbation families for images of `shape`: "universal" (additive, L2 `l2_rms` per pixel) and,
+    where `warp_shift` > 0, "warp"."""
+    fams = {"universal": UniversalConfig(kind="l2", eps=l2_rms * math.sqrt(math.prod(shape)), epochs=b.epochs,
+                                         batch_size=b.batch_size)}
+    if warp_shift > 0:
+        fams["warp"] = UniversalConfig(kind="warp", eps=warp_shift, size=WARP_GRID, epochs=b.epochs, per_pixel=True,
+                                       batch_size=b.batch_size)
+    return fams
 
 
 @dataclass
@@ -451,10 +478,8 @@ class Reach:
 def _scan_labels(model, xo, yo, xh, yh, k: int, l2_rms: float, warp_shift: float, pgd_eps: float, b: ScanBudget,
                  gen: torch.Generator, progress: bool = False) -> Reach:
     """For every label, ``reached`` by the additive family (and the warp family, and per-image PGD, where asked)."""
-    additive = UniversalConfig(kind="l2", eps=l2_rms * math.sqrt(xo[0].numel()), epochs=b.epochs,
-                               batch_size=b.batch_size)
-    warp = UniversalConfig(kind="warp", eps=warp_shift, size=WARP_GRID, epochs=b.epochs, per_pixel=True,
-                           batch_size=b.batch_size) if warp_shift > 0 else None
+    fams = scan_families(xo[0].shape, l2_rms, warp_shift, b)
+    additive, warp = fams["universal"], fams.get("warp")
     probe = PGDConfig(eps=pgd_eps, steps=PER_IMAGE_STEPS, step=pgd_eps / 4)
     out = Reach(matrix=torch.zeros(k, k), n_probe=max(k, round(PER_IMAGE_SHARE * len(xh))))
 

@@ -243,41 +243,61 @@ def _labels(target_count: int) -> torch.Tensor:
 
 
 def _plan(**kw):
+    """make_plan on the facts given: `scan` = (label, evidence) of a significant scan statistic, `weak` a label the
+    scan names on weak evidence, `cluster` the labels of a poison cluster; the verdict is ``decide``'s on them, as
+    in PBE."""
     from pbe.defenses.pbe import make_plan
-    facts = {"given": None, "scan_label": None, "scan_evidence": None, "cluster": False, "whole_label": None,
-             "labels": torch.arange(5).repeat_interleave(20)}
+    from pbe.detection import decide
+    scan, weak, clusters = kw.pop("scan", None), kw.pop("weak", None), kw.pop("cluster", [])
+    top = scan[0] if scan else (weak if weak is not None else 9)
+    tests = {scan[1] if scan else "universal": (top, 6.0 if scan else 2.2, 1e-6 if scan else 0.2)}
+    facts = {"given": None, "verdict": decide(tests, 1, 0.01, clusters, None),
+             "scan_label": scan[0] if scan else weak, "scan_evidence": scan[1] if scan else "universal",
+             "cluster_labels": clusters, "whole_label": None, "labels": torch.arange(5).repeat_interleave(20)}
     return make_plan(**{**facts, **kw})
 
 
 @pytest.mark.parametrize("facts,expected", [
-    # rule 1: a named target (given, or named by the scan)
-    ({"scan_label": 2, "scan_evidence": "warp"},
+    # rule 1: a given target (the scan's family narrows it only where the scan names the same label)
+    ({"given": 3, "scan": (2, "warp"), "cluster": [3]},
+     {"target": 3, "named_by": "given", "families": None, "check_cluster": True}),
+    ({"given": 2, "scan": (2, "warp")}, {"target": 2, "families": ("warp",)}),
+    # rule 2: a poison cluster; where the scan names its only label, that label is the target
+    ({"scan": (2, "warp"), "cluster": [2]},
+     {"target": 2, "named_by": "scan and cluster", "distrust": "target", "families": ("warp",),
+      "check_cluster": True, "relabel": "moved"}),
+    ({"weak": 1, "cluster": [1]}, {"target": 1, "named_by": "scan and cluster", "families": ("l2", "linf", "patch")}),
+    ({"scan": (2, "warp"), "cluster": [4]},  # the cluster outranks a statistic naming another label
+     {"target": None, "distrust": "cluster", "trigger": "estimated", "relabel": "all", "readmit": False}),
+    ({"weak": 2, "cluster": [1]}, {"target": None, "distrust": "cluster"}),
+    ({"scan": (1, "universal"), "cluster": [1, 2, 3]}, {"target": None, "distrust": "cluster"}),  # all-to-all
+    ({"cluster": [1], "whole_label": 4}, {"target": None, "distrust": "cluster"}),
+    # rule 3: the scan's statistic names a target
+    ({"scan": (2, "warp")},
      {"target": 2, "named_by": "scan", "distrust": "target", "trigger": "optimised", "families": ("warp",),
       "readmit": True, "relabel": "moved", "check_cluster": False}),
-    ({"given": 3, "scan_label": 2, "cluster": True},
-     {"target": 3, "named_by": "given", "families": None, "check_cluster": True}),
-    ({"scan_label": 2, "scan_evidence": "gap"}, {"families": None}),  # no universal family named it
-    ({"scan_label": 0, "labels": _labels(81)}, {"readmit": False}),  # > READMIT_INFLATION (4) x 20: inflated
-    ({"scan_label": 0, "labels": _labels(80)}, {"readmit": True}),
-    # rule 2: a poison cluster, no target named (a whole label is not looked for where a cluster is found)
-    ({"cluster": True, "whole_label": 4},
-     {"target": None, "distrust": "cluster", "trigger": "estimated", "relabel": "all", "readmit": False}),
-    # rule 3: a whole label carries a trigger
+    ({"scan": (0, "universal"), "labels": _labels(81)}, {"readmit": False}),  # > READMIT_INFLATION (4) x 20
+    ({"scan": (0, "universal"), "labels": _labels(80)}, {"readmit": True}),
+    # rule 4: the scan's weak evidence alone
+    ({"weak": 2, "whole_label": 4},
+     {"target": 2, "named_by": "weak scan", "families": ("l2", "linf", "patch"), "check_cluster": False}),
+    # rule 5: a whole label carries a trigger
     ({"whole_label": 4},
      {"target": 4, "named_by": "whole label", "distrust": "target", "trigger": "estimated", "relabel": "none",
       "readmit": False}),
-    # rule 4: nothing found
+    # rule 6: nothing found
     ({}, {"target": None, "distrust": "none", "trigger": "optimised", "relabel": "none", "check_cluster": False}),
 ])
 def test_the_plan_decision_table(facts, expected):
-    """make_plan is a pure function of the scan's and the isolation's findings: its rules in order."""
+    """make_plan is a pure function of the verdict, the scan's label and the isolation's findings: its rules in
+    order."""
     from dataclasses import asdict
     plan = asdict(_plan(**facts))
     assert {k: plan[k] for k in expected} == expected
 
 
 def test_a_switched_plan_takes_the_isolations_path():
-    plan = _plan(scan_label=2, cluster=True).switch_to_cluster()
+    plan = _plan(scan=(2, "universal"), cluster=[2]).switch_to_cluster()
     assert (plan.target, plan.distrust, plan.trigger, plan.relabel, plan.check_cluster) == \
         (2, "cluster", "estimated", "all", False)
 
@@ -367,15 +387,15 @@ def test_weak_evidence_threshold_keeps_the_chance_of_a_benign_top_label_across_l
 
 
 def test_detection_verdict_rules_in_order():
-    """decide: a significant model statistic first (Bonferroni over those tried), then a cluster (one label: the
-    target; several: none), then the label share, else nothing."""
+    """decide: a confirmed cluster first (one label: the target; several: none), then a significant model
+    statistic (Bonferroni over those tried), then the label share, else nothing."""
     from pbe.detection import decide
     strong, weak = {"universal": (3, 5.0, 0.001)}, {"universal": (3, 1.0, 0.4)}
-    assert decide(strong, 2, 0.01, [5], (6, 9.0, 0.0)).label == 3
+    v = decide(strong, 2, 0.01, [5], (6, 9.0, 0.0))
+    assert (v.suspected, v.label, v.evidence, v.top_label) == (True, 5, "cluster", 3)
+    assert decide(strong, 2, 0.01, [], (6, 9.0, 0.0)).label == 3
     assert decide({"universal": (3, 4.0, 0.006)}, 2, 0.01, None, None).suspected is False  # 2 x 0.006 > 0.01
-    v = decide(weak, 1, 0.01, [5], (6, 9.0, 0.0))
-    assert (v.suspected, v.label, v.evidence) == (True, 5, "cluster")
-    assert decide(weak, 1, 0.01, [5, 6], None).label is None and decide(weak, 1, 0.01, [5, 6], None).suspected
+    assert decide(strong, 1, 0.01, [5, 6], None).label is None and decide(strong, 1, 0.01, [5, 6], None).suspected
     v = decide(weak, 1, 0.01, None, (6, 9.0, 0.001))
     assert (v.suspected, v.label, v.evidence) == (True, 6, "label_share")
     v = decide(weak, 1, 0.01, [], (6, 1.0, 0.5))

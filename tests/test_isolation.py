@@ -225,13 +225,13 @@ def _spy_finetune(mp, seen):
 
 
 def _nothing_found(mp):
-    """make_plan as if the scan and the isolation found nothing (rule 4): the run without their plan."""
+    """make_plan as if the scan and the isolation found nothing (rule 6): the run without their plan."""
     import pbe.defenses.pbe as defense
     mp.setattr(defense, "make_plan", lambda **kw: defense.Plan())
 
 
 def test_pbe_isolate_refuses_unlearns_and_relabels_the_isolated_poison(toy):
-    """Where the scan names no label and the isolation confirms a cluster (the plan's rule 2), round 1 never
+    """Where the scan names no label and the isolation confirms a cluster (the plan's rule 3), round 1 never
     trains on a suspected sample, every batch carries the estimated trigger with the samples' own labels, the
     backdoor goes, and the isolation is in the report; without that plan the same run leaves the backdoor."""
     import pbe.defenses.pbe as defense
@@ -267,7 +267,8 @@ def test_pbe_isolate_refuses_unlearns_and_relabels_the_isolated_poison(toy):
 def _no_target(k: int):
     from pbe.detection import Detection
     return Detection(suspected=False, label=None, top_label=1, score=0.0, p_value=1.0, alpha=0.01, rates=[0.0] * k,
-                     label_map=None, gap=None, gap_score=None, images=2 * k, forward_backward=0, forward=0)
+                     label_map=None, gap=None, gap_score=None, images=2 * k, forward_backward=0, forward=0,
+                     scores={"universal": 0.0}, tests={"universal": [1, 0.0, 1.0]})
 
 
 def test_detect_with_training_data_names_the_target_from_its_poison_cluster(toy):

@@ -12,9 +12,10 @@ adversarial share of every batch at the target that a trigger-free scan names. `
 
 1. **plan** (``make_plan``, a pure function of what the next two find): the target scan (``pbe.detection``) names
    a label that one small universal perturbation reaches from most images; the isolation (``pbe.isolation``)
-   looks for poison in a separate activation cluster, or for a label all of whose samples carry a trigger. The
-   plan says which label is the target, which samples are distrusted, and what a third of every batch carries:
-   a perturbation optimised toward the target each epoch, or the isolation's estimated trigger.
+   looks for poison in a separate activation cluster, or for a label all of whose samples carry a trigger; their
+   verdict is ``pbe.detection.decide``'s, the one ``pbe.detect`` gives on the same evidence. The plan says which
+   label is the target, which samples are distrusted, and what a third of every batch carries: a perturbation
+   optimised toward the target each epoch, or the isolation's estimated trigger.
 2. **calibrate**: each perturbation family's budget is doubled until it reaches the target from most held-out
    images.
 3. **rounds** of *fine-tune* (on the subset, the samples' own labels) -> *measure* (how far each sample's output
@@ -38,7 +39,8 @@ from pbe.activations import PROBE_SIZE, Monitor, monitor, probe_indices
 from pbe.adversarial import (MONITOR_PGD, PAPER_EPS, PAPER_PGD, PGDConfig, UniversalConfig, apply_universal, pgd,
                              universal_perturbation)
 from pbe.data import ImageDataset
-from pbe.detection import SCAN_BUDGETS, SCAN_L2_RMS, WARP_GRID, WARP_SHIFT, Detection, ScanBudget, detect
+from pbe.detection import (SCAN_BUDGETS, SCAN_L2_RMS, WARP_GRID, WARP_SHIFT, Detection, ScanBudget, Verdict,
+                           decide, detect)
 from pbe.defenses.base import Context, Defense, Evaluation, measure, sgd_finetune
 from pbe.isolation import HELD_OUT, MIN_FOOLING, EstimatedTrigger, Isolation, isolate
 from pbe.metrics import predict, ranking_quality
@@ -195,7 +197,8 @@ class Plan:
     """What PBE acts on, decided before round 1 by ``make_plan``."""
 
     target: int | None = None  # the label the universal share aims at (None: none)
-    named_by: str = "none"  # what named it: "given", "scan", "whole label" or "none"
+    named_by: str = "none"  # what named it (``make_plan``'s rule): "given", "scan", "scan and cluster", "weak scan",
+    #                         "whole label" or "none"
     distrust: str = "none"  # whose samples stay out of round 1: "target" (the target's), "cluster" (the isolated)
     trigger: str = "optimised"  # the universal share carries "optimised" perturbations or the "estimated" trigger
     families: tuple[str, ...] | None = None  # kinds of the optimised families kept (None: every one)
@@ -209,29 +212,49 @@ class Plan:
         return replace(self, distrust="cluster", trigger="estimated", relabel="all", check_cluster=False)
 
 
-def make_plan(*, given: int | None, scan_label: int | None, scan_evidence: str | None, cluster: bool,
-              whole_label: int | None, labels: torch.Tensor) -> Plan:
-    """The plan, by the first of these rules that holds:
+def make_plan(*, given: int | None, verdict: Verdict | None, scan_label: int | None, scan_evidence: str | None,
+              cluster_labels: list[int], whole_label: int | None, labels: torch.Tensor) -> Plan:
+    """The plan, by the first of these rules that holds. `verdict` is ``pbe.detection.decide``'s on PBE's evidence
+    (the isolation's poison clusters, `cluster_labels`, then the target scan's statistics): the verdict
+    ``pbe.detect`` gives on the same evidence, so that the two never name different targets. `scan_label` is the
+    label the scan names (``scan_target``: on a significant statistic or on weak evidence), `scan_evidence` the
+    family whose scan named it.
 
-    1. **A target is named**, `given` by the defender or `scan_label` by the target scan: its samples stay out
-       of round 1; the universal share gets perturbations optimised toward it (only the family whose scan named
-       it, `scan_evidence`); its samples the purified model moved join the next round with their new label, and
-       those it still assigns to it are readmitted unless the label is ``inflated`` by its poison. A poison
-       `cluster` the isolation confirmed in that label is held back as evidence (``Plan.switch_to_cluster``).
-    2. **A poison cluster** (no target named): the isolated samples stay out of every round, their estimated
-       trigger takes the universal share, and every one of them joins the next round with the purified model's
-       best label other than its own (the isolation confirmed it as poison, whose label is the attacker's).
-    3. **A whole label carries a trigger** (clean-label poison: every sample of the target does): that label is
+    1. **A target is given** by the defender.
+    2. **A poison cluster** (the verdict's first rule). Where the scan (its statistic or its weak evidence) names
+       the cluster's only label, that label is the target. Otherwise the isolated samples stay out of every
+       round, their estimated trigger takes the universal share, and every one of them joins the next round with
+       the purified model's best label other than its own (the isolation confirmed it as poison, whose label is
+       the attacker's).
+    3. **The scan's statistic names a target** (the verdict's second rule).
+    4. **The scan's weak evidence** (`scan_label` where the verdict suspects nothing: its top label's robust z
+       reaches ``weak_evidence_threshold`` although its p-value misses alpha): a defender runs PBE because a
+       backdoor is suspected.
+    5. **A whole label carries a trigger** (clean-label poison: every sample of the target does): that label is
        the target; its samples stay out of every round; its estimated trigger takes the universal share.
-    4. **Nothing found**: untargeted universal perturbations, nothing distrusted.
+    6. **Nothing found**: untargeted universal perturbations, nothing distrusted.
+
+    Where rules 1-4 name a target, its samples stay out of round 1; the universal share gets perturbations
+    optimised toward it (only the family whose scan points there, where the scan's top label is the target); its
+    samples the purified model moved join the next round with their new label, and those it still assigns to it
+    are readmitted unless the label is ``inflated`` by its poison. A cluster confirmed in that label is held back
+    as evidence (``Plan.switch_to_cluster``).
     """
-    target = given if given is not None else scan_label
-    if target is not None:
-        return Plan(target=target, named_by="given" if given is not None else "scan", distrust="target",
-                    families=SCAN_FAMILIES.get(scan_evidence), readmit=not inflated(labels, target),
-                    relabel="moved", check_cluster=cluster)
-    if cluster:
+    def named(target: int, by: str) -> Plan:
+        return Plan(target=target, named_by=by, distrust="target",
+                    families=SCAN_FAMILIES.get(scan_evidence) if scan_label == target else None,
+                    readmit=not inflated(labels, target), relabel="moved", check_cluster=target in cluster_labels)
+
+    if given is not None:
+        return named(given, "given")
+    if cluster_labels:
+        if scan_label is not None and cluster_labels == [scan_label]:
+            return named(scan_label, "scan and cluster")
         return Plan(distrust="cluster", trigger="estimated", relabel="all")
+    if verdict is not None and verdict.suspected:
+        return named(verdict.label, "scan")
+    if scan_label is not None:
+        return named(scan_label, "weak scan")
     if whole_label is not None:
         return Plan(target=whole_label, named_by="whole label", distrust="target", trigger="estimated")
     return Plan()
@@ -602,7 +625,8 @@ class PBE(Defense):
     @staticmethod
     def _plan(original, data, feats, given: int | None, s: Schedule, ctx: Context,
               report: dict) -> tuple[Plan, Isolation | None]:
-        """Step 1: the target scan and the isolation, then ``make_plan``; both recorded in the report."""
+        """Step 1: the target scan and the isolation, their verdict (``pbe.detection.decide``), then
+        ``make_plan``; all recorded in the report."""
         if not s.targeted:
             plan = Plan(target=given, named_by="given" if given is not None else "none")
             report["target"] = plan.target
@@ -610,18 +634,20 @@ class PBE(Defense):
         scan = target_scan(original, data, s, ctx)
         report["scan"] = scan.as_dict()
         scan_label = scan_target(scan, data.num_classes)
-        named = given if given is not None else scan_label
-        supported = named is not None and (given is None or (scan.suspected and scan.label == given))
         iso = None
         if feats is None:
             report["isolation"] = "skipped: the model has no nn.Linear head to read features from"
-        else:
-            iso = run_isolation(original, data, feats, named is not None, ctx)
+        else:  # a whole label is looked for only where nothing else names a target
+            iso = run_isolation(original, data, feats, named=given is not None or scan_label is not None, ctx=ctx)
             report["isolation"] = iso.as_dict()
-        in_named = iso.suspected & (data.labels == named) if iso is not None and named is not None else None
-        cluster = iso is not None and bool((iso.suspected if in_named is None else in_named).any())
-        plan = make_plan(given=given, scan_label=scan_label, scan_evidence=scan.evidence if supported else None,
-                         cluster=cluster, whole_label=None if iso is None else iso.whole_label, labels=data.labels)
+        # the labels whose poison the isolation holds (a flagged prototype label has no sample to act on: PBE leaves
+        # it to the scan, where pbe.detect counts it as a cluster)
+        clusters = [] if iso is None else sorted(set(data.labels[iso.suspected].tolist()))
+        verdict = decide({k: tuple(v) for k, v in scan.tests.items()}, len(scan.scores), scan.alpha, clusters, None)
+        report["verdict"] = asdict(verdict)
+        plan = make_plan(given=given, verdict=verdict, scan_label=scan_label, scan_evidence=scan.evidence,
+                         cluster_labels=clusters, whole_label=None if iso is None else iso.whole_label,
+                         labels=data.labels)
         if plan.target is not None and iso is not None:
             iso.suspected &= data.labels == plan.target  # a named target: only a cluster of that label counts
         report["target"] = plan.target
