@@ -6,16 +6,22 @@
 """
 from __future__ import annotations
 
+from attacks.adaptive import AdapBlend, AdapPatch
 from attacks.badnets import BadNets
 from attacks.base import BackdoorAttack, PoisonedDataset, load_state
 from attacks.blend import Blend
+from attacks.bpp import BPP
 from attacks.input_aware import InputAware
+from attacks.lc import LC
+from attacks.lf import LF
 from attacks.sig import SIG
+from attacks.ssba import SSBA
+from attacks.trojannn import TrojanNN
 from attacks.wanet import WaNet
 from pbe.registry import Registry
 
 REGISTRY: Registry[type[BackdoorAttack]] = Registry("attack")
-for _cls in (BadNets, Blend, SIG, WaNet, InputAware):
+for _cls in (BadNets, Blend, SIG, WaNet, InputAware, TrojanNN, LC, LF, BPP, AdapBlend, AdapPatch, SSBA):
     REGISTRY.register(_cls.name, _cls)
 available = REGISTRY.available
 
@@ -31,4 +37,4 @@ def load(path) -> BackdoorAttack:
 
 
 __all__ = ["REGISTRY", "BackdoorAttack", "PoisonedDataset", "create", "load", "available", "BadNets", "Blend", "SIG",
-           "WaNet", "InputAware"]
+           "WaNet", "InputAware", "TrojanNN", "LC", "LF", "BPP", "AdapBlend", "AdapPatch", "SSBA"]
