@@ -113,11 +113,21 @@ def trained_row(cell: dict, m: dict, out: Path) -> dict:
 REPORT_DIAGNOSTICS = ("isolated_loss", "unlearning", "resumed")
 
 
+def tracking(report: dict) -> dict:
+    """A PBE report's erasure tracker (``pbe.tracker``) before and after every round, beside the true ASR then
+    (``experiments/tracker_score.py`` scores one against the other); empty for a report without a tracker."""
+    if report.get("tracker_before") is None:
+        return {}
+    rounds = report.get("rounds", [])
+    return {"tracker": [report["tracker_before"]] + [r.get("tracker") for r in rounds],
+            "round_asr": [report["before"]["asr"]] + [(r.get("metrics") or {}).get("asr") for r in rounds]}
+
+
 def defence_row(cell: dict, command: str, report: dict, entry: zoo.Entry | None, **extra) -> dict:
     """A RESULTS.md row from a defence report (``report.json`` of ``pbe erase`` / ``pbe defend``); on a
     zoo `entry`, with the sha256 of the weights it started from, and the ``REPORT_DIAGNOSTICS`` it has."""
     b, a = report["before"], report["after"]
-    extra = {**{k: report[k] for k in REPORT_DIAGNOSTICS if k in report}, **extra}
+    extra = {**{k: report[k] for k in REPORT_DIAGNOSTICS if k in report}, **tracking(report), **extra}
     return {**cell, "acc": a["acc"], "asr": a["asr"], "ra": a["ra"], "acc_before": b["acc"],
             "asr_before": b["asr"], "ra_before": b["ra"], "der": report.get("der"),
             "detection": report.get("detection"), "wall_s": report["wall_s"],

@@ -14,7 +14,7 @@ import argparse
 import json
 
 from common import (RESULTS, ROOT, RUNS, DefenceTable, built_zoo_models, data_args, defence_name, defence_row,
-                    zoo_cell)
+                    row_schedule, zoo_cell)
 from common import run_cell as run_command
 from grid import Cell, execute, median_cost, script_main
 
@@ -114,6 +114,12 @@ def summary_markdown(rows: list[dict], dataset: str = "cifar10") -> str:
         without = f"{100 * sum(r['asr'] for r in rest) / len(rest):.2f} (without `{worst['zoo']}`)" if rest else "–"
         lines.append(_means_line(f"{zoo_set} | {name}", rs)[:-1] + f"| {without} |")
     return "\n".join(lines)
+
+
+def stale(row: dict) -> bool:
+    """A row of PBE's default without the erasure tracker was made by an earlier default (before the tracker and
+    the one-verdict plan): it is redone, and stays until the new row replaces it."""
+    return row["defense"] == "pbe" and row_schedule(row) == DEFAULT_SCHEDULE and "tracker" not in row
 
 
 def cells(cfg: dict) -> list[Cell]:

@@ -7,6 +7,7 @@ from pbe import metrics
 from pbe.activations import kappa_detect, label_concentration, neuron_overlap
 from pbe.adversarial import PGDConfig, adversarial_examples, pgd, success_rate
 from pbe.defenses import Evaluation, Schedule, aft, erase
+from pbe.defenses.pbe import decisions
 from pbe.demo import DIGITS_PGD, DIGITS_SCAN_L2_RMS, DIGITS_SCHEDULE
 from pbe.detection import SCAN_BUDGETS, ScanBudget
 from pbe.utils import PBEError
@@ -171,6 +172,12 @@ def test_the_default_removes_a_tiny_backdoor(blend_model, digits):
     assert report["plan"]["target"] == attack.target and report["plan"]["named_by"] == "scan"
     assert report["before"]["asr"] > 0.9 and report["after"]["asr"] < 0.25 * report["before"]["asr"]
     assert report["after"]["acc"] > report["before"]["acc"] - DEFAULT_ACC_MARGIN
+    # the erasure tracker (pbe.tracker): the scan's statistic on the target, there before, gone after
+    before, after = report["tracker_before"], report["rounds"][-1]["tracker"]
+    assert (before["evidence"], before["label"], before["there"]) == ("scan", attack.target, True)
+    assert abs(before["score"] - report["scan"]["score"]) < 0.05  # the scan's own reading (from rounded rates)
+    assert after["label"] == attack.target and not after["there"] and after["reach"] < before["reach"]
+    assert report["tracker_after"] == after and decisions(report)["tracker"][-1] == after
 
 
 DEFAULT_ACC_MARGIN = 0.05  # the accuracy the default may cost the tiny digits model

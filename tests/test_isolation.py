@@ -255,6 +255,10 @@ def test_pbe_isolate_refuses_unlearns_and_relabels_the_isolated_poison(toy):
     assert not round1 & set(poisoned.poison_indices.tolist())
     assert len(seen) == 2 and all(trig is not None for trig in seen)
     assert report["rounds"][0]["relabelled"] > 0
+    # the erasure tracker follows the estimated trigger (no target: the share whose prediction it changes)
+    before, after = report["tracker_before"], report["tracker_after"]
+    assert (before["evidence"], before["label"], before["there"]) == ("trigger", None, True)
+    assert after["evidence"] == "trigger" and after["reach"] < before["reach"]
     lit = _corner(poisoned.images[(poisoned.labels != TARGET).nonzero().flatten()]).float() / 255
     before = (predict(model, lit) == TARGET).float().mean()
     after = (predict(purified, lit) == TARGET).float().mean()

@@ -369,3 +369,26 @@ def test_committed_tables_are_their_json_rendered():
             assert path.read_text() == text, f"{path.name} differs from its JSON rendered: run experiments/render.py"
         checked.append(name)
     assert {"defenses_cifar10", "pbe_cifar10", "digits"} <= set(checked)
+
+
+def test_tracker_score_counts_right_and_wrong_readings_per_moment():
+    """tracker_score: one reading per zoo model and moment (the latest row), right when "there" matches ASR above
+    the goal; a wrong "gone" is counted apart and named."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    import tracker_score as ts
+
+    def t(there):
+        return {"evidence": "scan", "label": 0, "reach": 0.5, "score": 3.0, "there": there}
+    rows = [{"zoo": "a", "zoo_set": "dev", "schedule": "targeted", "tracker": [t(True), t(True)],
+             "round_asr": [1.0, 0.9]},
+            {"zoo": "a", "zoo_set": "dev", "schedule": "targeted", "tracker": [t(True), t(False)],
+             "round_asr": [1.0, 0.5]},  # a's rerun replaces its first row: a wrong "gone"
+            {"zoo": "b", "zoo_set": "dev", "schedule": "targeted", "tracker": [t(True), t(False)],
+             "round_asr": [0.99, 0.01]},
+            {"zoo": "c", "zoo_set": "dev", "schedule": "targeted", "tracker": None}]
+    found = ts.readings(rows)
+    assert len(found) == 4 and {f["zoo"] for f in found} == {"a", "b"}
+    md = ts.score_markdown(found)
+    assert "| dev | scan | 0 | 2 | 2 of 2 | 0 | 0 |" in md and "| dev | scan | 1 | 2 | 1 of 2 | 1 | 0 |" in md
+    assert "`a` moment 1 (gone, ASR 50.00 %)" in md
+    assert "No PBE row" in ts.score_markdown([])

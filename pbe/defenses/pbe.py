@@ -45,6 +45,7 @@ from pbe.defenses.base import Context, Defense, Evaluation, measure, sgd_finetun
 from pbe.isolation import HELD_OUT, MIN_FOOLING, EstimatedTrigger, Isolation, isolate
 from pbe.metrics import predict, ranking_quality
 from pbe.models import has_linear_head, penultimate
+from pbe.tracker import scan_track, scan_track_before, trigger_track
 from pbe.utils import Cost, PBEError, PBEWarning
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -389,6 +390,25 @@ def trigger_reach(model: nn.Module, trigger: EstimatedTrigger, data: ImageDatase
     return round(float((predict(model, x) == target).float().mean()), 4)
 
 
+def track(model: nn.Module, plan: Plan, scan: Detection | None, iso: Isolation | None, data: ImageDataset,
+          s: Schedule, ctx: Context, trained: torch.Tensor, before: bool = False) -> dict | None:
+    """The erasure tracker's reading (``pbe.tracker``) for `plan`: the estimated trigger's reach where the plan
+    fine-tunes against it, else the scan's statistic on the target (or on the scan's top label where nothing is
+    named); `before`: on the original model, from what the plan already measured. None without a scan (the
+    untargeted schedules)."""
+    if scan is None:
+        return None
+    if plan.trigger == "estimated" and iso is not None and iso.trigger is not None:
+        return trigger_track(model, iso.trigger, data, plan.target, trained, ctx.seed, ctx.cost).as_dict()
+    label = plan.target if plan.target is not None else scan.top_label
+    family = "warp" if scan.evidence == "warp" and scan.top_label == label else "universal"
+    threshold = weak_evidence_threshold(data.num_classes)
+    if before:
+        return scan_track_before(scan, label, family, data.num_classes, threshold).as_dict()
+    return scan_track(model, data, scan, label, family, budget=s.scan_budget, l2_rms=s.scan_l2_rms,
+                      warp_shift=WARP_SHIFT, seed=ctx.seed, threshold=threshold, cost=ctx.cost).as_dict()
+
+
 def least_suspicious(score: torch.Tensor, labels: torch.Tensor, fraction: float, balanced: bool) -> torch.Tensor:
     """Indices of the `fraction` of all samples with the lowest `score` (``inf`` = refused), sorted;
     `balanced`: that fraction of every label's samples, so that the subset keeps the classes' shares."""
@@ -576,7 +596,7 @@ class PBE(Defense):
         before = run_monitor(model, data, probe, s, ctx).as_dict()
         report = {"schedule": s.as_dict(), "probe_indices": probe.tolist(), "monitor_before": before, "rounds": []}
         # 1. plan
-        plan, iso = self._plan(original, data, feats, given, s, ctx, report)
+        plan, iso, scan = self._plan(original, data, feats, given, s, ctx, report)
         distrusted = self._distrusted(plan, iso, data)
         # 2. calibrate
         families = tuple(c for c in s.families if plan.families is None or c.kind in plan.families) or s.families
@@ -584,6 +604,7 @@ class PBE(Defense):
             families, report["universal_calibration"] = calibrate(original, data, plan.target, families, s, ctx)
         # 3. rounds: fine-tune -> measure -> check -> select -> relabel
         state = Rounds.start(plan, distrusted, data, s.fractions[0], ctx)
+        report["tracker_before"] = track(original, plan, scan, iso, data, s, ctx, state.trained, before=True)
         for t in range(len(s.fractions)):
             state.trained[state.subset] = True
             adversarial_finetune(model, state.train_view.subset(state.subset), s, ctx, epochs=s.epochs[t],
@@ -595,6 +616,7 @@ class PBE(Defense):
             mon = run_monitor(model, data, probe, s, ctx)
             row = {"round": t + 1, "subset_size": len(state.subset), "subset_indices": state.subset.tolist(),
                    "epochs": s.epochs[t], "monitor": mon.as_dict(),
+                   "tracker": track(model, state.plan, scan, iso, data, s, ctx, state.trained),
                    "epoch_equivalents": ctx.cost.epoch_equivalents(len(data))}
             last = t + 1 == len(s.fractions)
             stopped = s.early_stop and not last and plan.target is None and before["suspected"] and not mon.suspected
@@ -608,7 +630,7 @@ class PBE(Defense):
             if stopped:
                 break
         report.update(plan=asdict(state.plan), scores=[round(float(v), 6) for v in suspicion], stopped_early=stopped,
-                      monitor_after=report["rounds"][-1]["monitor"],
+                      monitor_after=report["rounds"][-1]["monitor"], tracker_after=report["rounds"][-1]["tracker"],
                       acc_drop_estimate=acc_drop_estimate(z0, z, data.labels, state.allowed, state.trained))
         report["warnings"] = warn_on(report)
         return model, report, None
@@ -624,13 +646,13 @@ class PBE(Defense):
 
     @staticmethod
     def _plan(original, data, feats, given: int | None, s: Schedule, ctx: Context,
-              report: dict) -> tuple[Plan, Isolation | None]:
+              report: dict) -> tuple[Plan, Isolation | None, Detection | None]:
         """Step 1: the target scan and the isolation, their verdict (``pbe.detection.decide``), then
         ``make_plan``; all recorded in the report."""
         if not s.targeted:
             plan = Plan(target=given, named_by="given" if given is not None else "none")
             report["target"] = plan.target
-            return plan, None
+            return plan, None, None
         scan = target_scan(original, data, s, ctx)
         report["scan"] = scan.as_dict()
         scan_label = scan_target(scan, data.num_classes)
@@ -651,7 +673,7 @@ class PBE(Defense):
         if plan.target is not None and iso is not None:
             iso.suspected &= data.labels == plan.target  # a named target: only a cluster of that label counts
         report["target"] = plan.target
-        return plan, iso
+        return plan, iso, scan
 
     @staticmethod
     def _distrusted(plan: Plan, iso: Isolation | None, data: ImageDataset) -> torch.Tensor:
@@ -665,8 +687,9 @@ class PBE(Defense):
 
 def decisions(report: dict) -> dict:
     """What a PBE run decided, from its report, for a reader: the plan, the scan's top label and robust z, the
-    labels whose poison the isolation confirmed, the samples it isolated, and per round the check of a held-back
-    cluster and whether the run switched to it."""
+    labels whose poison the isolation confirmed, the samples it isolated, per round the check of a held-back
+    cluster and whether the run switched to it, and the erasure tracker before and after every round (``pbe.tracker``:
+    whether the backdoor is still there)."""
     scan, iso = report.get("scan") or {}, report.get("isolation")
     iso = iso if isinstance(iso, dict) else {}
     return {"target": report.get("target"), "plan": report.get("plan"), "scan_top_label": scan.get("top_label"),
@@ -674,7 +697,9 @@ def decisions(report: dict) -> dict:
             "isolation_prototypes": iso.get("prototypes"), "isolated": iso.get("suspected"),
             "whole_label": iso.get("whole_label"),
             "trigger_reach": [r.get("trigger_reach") for r in report.get("rounds", [])],
-            "switched_to_isolation": any(r.get("switched_to_isolation") for r in report.get("rounds", []))}
+            "switched_to_isolation": any(r.get("switched_to_isolation") for r in report.get("rounds", [])),
+            "verdict": report.get("verdict"), "tracker": [report.get("tracker_before")] + [
+                r.get("tracker") for r in report.get("rounds", [])]}
 
 
 def erase(model: nn.Module, train_set: ImageDataset, schedule: str | Schedule = DEFAULT_SCHEDULE, *, seed: int = 0,
