@@ -42,12 +42,13 @@ def default_rows(rows: list[dict], zoo_set: str) -> list[dict]:
 
 def default_figure(found: dict):
     """PBE's default on the CIFAR-10 zoo: the dev models (its rows in the defences table, where every
-    defence ran on them) and the generalisation set (its rows in pbe_cifar10), ACC and ASR before / after."""
+    defence ran on the first seven, and in pbe_cifar10, whose later row of a model replaces it) and the
+    generalisation set (its rows in pbe_cifar10), ACC and ASR before / after."""
     meets_goal = module("pbe_cifar10").meets_goal
-    dev = default_rows(found["defenses_cifar10"].rows, "dev")
+    dev = default_rows(found["defenses_cifar10"].rows + found["pbe_cifar10"].rows, "dev")
     general = default_rows(found["pbe_cifar10"].rows, "generalisation")
     return before_after([("dev-set", dev), ("generalisation-set", general)], meets=meets_goal,
-                        titles={"dev-set": f"dev set: the {len(dev)} infected models the defaults were chosen on",
+                        titles={"dev-set": f"dev set: the {len(dev)} infected models the defaults are tuned on",
                                 "generalisation-set": f"generalisation set: {len(general)} infected models "
                                                       "nobody tuned on"},
                         title="PBE's default on the CIFAR-10 zoo, no clean data, no trigger, no target given "
