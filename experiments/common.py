@@ -115,12 +115,14 @@ REPORT_DIAGNOSTICS = ("isolated_loss", "unlearning", "resumed")
 
 def tracking(report: dict) -> dict:
     """A PBE report's erasure tracker (``pbe.tracker``) before and after every round, beside the true ASR then
-    (``experiments/tracker_score.py`` scores one against the other); empty for a report without a tracker."""
+    (``experiments/tracker_score.py`` scores one against the other), and its estimate of the accuracy drop (scored
+    there against the measured one); empty for a report without a tracker."""
     if report.get("tracker_before") is None:
         return {}
     rounds = report.get("rounds", [])
     return {"tracker": [report["tracker_before"]] + [r.get("tracker") for r in rounds],
-            "round_asr": [report["before"]["asr"]] + [(r.get("metrics") or {}).get("asr") for r in rounds]}
+            "round_asr": [report["before"]["asr"]] + [(r.get("metrics") or {}).get("asr") for r in rounds],
+            "acc_drop_estimate": (report.get("acc_drop_estimate") or {}).get("estimate")}
 
 
 def defence_row(cell: dict, command: str, report: dict, entry: zoo.Entry | None, **extra) -> dict:

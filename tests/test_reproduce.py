@@ -392,3 +392,15 @@ def test_tracker_score_counts_right_and_wrong_readings_per_moment():
     assert "| dev | scan | 0 | 2 | 2 of 2 | 0 | 0 |" in md and "| dev | scan | 1 | 2 | 1 of 2 | 1 | 0 |" in md
     assert "`a` moment 1 (gone, ASR 50.00 %)" in md
     assert "No PBE row" in ts.score_markdown([])
+
+
+def test_tracker_score_sets_the_drop_estimate_beside_the_measured_drop():
+    sys.path.insert(0, str(EXPERIMENTS))
+    import tracker_score as ts
+    rows = [{"zoo": "a", "zoo_set": "dev", "schedule": "targeted", "acc_before": 0.85, "acc": 0.80,
+             "acc_drop_estimate": 0.02}, {"zoo": "b", "zoo_set": "dev", "schedule": "targeted", "acc_before": 0.85,
+                                          "acc": 0.84}]
+    found = ts.drop_estimates(rows)
+    assert found == [{"zoo": "a", "zoo_set": "dev", "estimate": 0.02, "measured": 0.05}]
+    md = ts.drop_markdown(found)
+    assert "| a | dev | 2.00 | 5.00 | -3.00 |" in md and "Mean absolute error 3.00 points over 1 models" in md
