@@ -39,10 +39,10 @@ from pbe.utils import PBEError, json_safe
 MODELS = ["badnets", "badnets_a2a", "blend", "sig", "sig_poison_label", "wanet", "input_aware"]  # summary columns
 BACKDOORBENCH_ATTACKS = {"badnets", "blend", "sig", "wanet", "input_aware"}  # the zoo models it has rows for
 
-ORDER = ["ft", "fp", "nad", "anp", "ibau", "aft", "sau", "pbe", "pbe_lr1e-3", "abl", "ac", "ss", "strip"]
+ORDER = ["ft", "fp", "nad", "anp", "ibau", "aft", "aft_paper", "sau", "pbe", "pbe_lr1e-3", "abl", "ac", "ss", "strip"]
 # labelled variants: a row name -> (registered defence, parameters). PBE's `fast` schedule fine-tunes at
 # lr 0.01; the authors' code uses 0.001.
-VARIANTS = {"pbe_lr1e-3": ("pbe", {"lr": 0.001})}
+VARIANTS = {"pbe_lr1e-3": ("pbe", {"lr": 0.001}), "aft_paper": ("aft", {"schedule": "paper"})}
 
 
 def registered(defense: str) -> tuple[str, dict]:

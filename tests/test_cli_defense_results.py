@@ -90,10 +90,14 @@ def test_cli_detect_and_erase_no_clean(attack_run, tmp_path, cli_here):
 
 def test_cli_erase_clean_extra_and_user_errors(attack_run, tmp_path, cli_here):
     r = run_cli("erase", "--model", str(attack_run), "--setting", "clean-extra", "--clean-fraction", "0.2",
-                "--poison-from", str(attack_run), "--eps", "0.1", "--out", str(tmp_path), "--no-progress")
+                "--poison-from", str(attack_run), "--schedule", "paper", "--eps", "0.1", "--out", str(tmp_path),
+                "--no-progress")
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["defense"] == "aft" and len(report["clean_indices"]) == round(0.2 * 1437)
+    assert report["params"]["schedule"] == "paper"
+    rc, err = cli_here("erase", "--model", attack_run, "--setting", "clean-extra", "--eps", "0.1", "--out", tmp_path / "z")
+    assert rc == 2 and "--schedule paper" in err  # the targeted default has no PGD to set
     rc, err = cli_here("erase", "--model", attack_run, "--out", tmp_path / "x")
     assert rc == 2 and "--poison-from" in err and "Traceback" not in err
     rc, err = cli_here("erase", "--model", attack_run, "--setting", "clean-extra", "--clean-fraction", "2",

@@ -152,13 +152,40 @@ def test_no_early_stop_without_a_flag_before(clean_model, digits):
     assert not report["monitor_before"]["suspected"] and len(report["rounds"]) == 2
 
 
-def test_aft_with_clean_extra_set(blend_model, digits):
+def test_aft_paper_schedule_with_clean_extra_set(blend_model, digits):
     model, attack, _ = blend_model
     clean = digits[0].subset(torch.arange(0, len(digits[0]), 5))
-    purified, report = aft(model, clean, epochs=8, adv_epochs=4, pgd_config=DIGITS_PGD, lr=0.01, progress=False,
-                           evaluation=Evaluation(digits[1], attack), batch_size=64, crop_padding=1)
+    purified, report = aft(model, clean, schedule="paper", epochs=8, adv_epochs=4, pgd_config=DIGITS_PGD, lr=0.01,
+                           progress=False, evaluation=Evaluation(digits[1], attack), batch_size=64, crop_padding=1)
     assert report["after"]["asr"] < 0.3 < report["before"]["asr"]
     assert type(purified) is type(model)
+
+
+def test_aft_targeted_checks_its_work_on_held_out_clean_images(blend_model, digits):
+    """The targeted default (the target given here: the digits' scan is weak) fine-tunes check_every epochs at a
+    time, reads the tracker and the held-out clean accuracy after each, and lowers the ASR; the held-out images
+    are never fine-tuned on."""
+    import importlib
+    aft_module = importlib.import_module("pbe.defenses.aft")  # (the package's `aft` is the function)
+    model, attack, _ = blend_model
+    clean = digits[0].subset(torch.arange(0, len(digits[0]), 5))
+    seen = []
+    real = aft_module.adversarial_finetune
+
+    def spy(m, data, *a, **k):
+        seen.append(len(data))
+        return real(m, data, *a, **k)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(aft_module, "adversarial_finetune", spy)
+        _, report = aft(model, clean, epochs=8, lr=0.01, target=attack.target, progress=False, batch_size=64,
+                        crop_padding=1, evaluation=Evaluation(digits[1], attack))
+    assert report["target"] == attack.target and report["check_size"] == round(0.2 * len(clean))
+    assert set(seen) == {len(clean) - report["check_size"]}  # fine-tuned on the rest only
+    assert [c["epochs"] for c in report["check"]] == list(range(2, 2 * len(report["check"]) + 1, 2))
+    assert all({"tracker", "check_acc", "check_acc_drop"} <= set(c) for c in report["check"])
+    assert report["after"]["asr"] < report["before"]["asr"] - 0.3
+    with pytest.raises(PBEError, match="target"):
+        aft(model, clean, schedule="paper", target=0)
 
 
 def test_the_default_removes_a_tiny_backdoor(blend_model, digits):

@@ -166,12 +166,18 @@ def cmd_erase(args) -> dict:
         defense = defenses.create("pbe", schedule=schedule,
                                   target=args.target)
     else:
-        if args.target is not None:
-            raise PBEError("--target drives PBE's targeted levers (--setting no-clean); AFT does not take it")
-        if args.schedule is not None:
-            raise PBEError("--schedule is PBE's (--setting no-clean); AFT (--setting clean-extra) does not take it")
-        defense = defenses.create("aft", pgd=_pgd_config(args, SCHEDULES["paper"].pgd_config),
-                                  **({"lr": args.lr} if args.lr is not None else {}))
+        from pbe.defenses.aft import AFT_SCHEDULES
+        schedule = args.schedule or AFT_SCHEDULES[0]
+        if schedule not in AFT_SCHEDULES:
+            raise PBEError(f"--schedule is PBE's {schedule!r} (--setting no-clean); AFT (--setting clean-extra) takes "
+                           f"{' or '.join(AFT_SCHEDULES)}")
+        if args.target is not None and schedule == "paper":
+            raise PBEError("--target drives AFT's targeted schedule; the paper's (--schedule paper) does not take it")
+        if schedule == "targeted" and (args.eps is not None or args.steps is not None):
+            raise PBEError("--eps and --steps set the PGD of AFT's paper schedule; the targeted one (the default) "
+                           "uses universal perturbations: drop them, or pass --schedule paper")
+        defense = defenses.create("aft", schedule=schedule, pgd=_pgd_config(args, SCHEDULES["paper"].pgd_config),
+                                  target=args.target, **({"lr": args.lr} if args.lr is not None else {}))
     return run_defense(args, defense)
 
 
@@ -324,16 +330,18 @@ def _defense_parameters() -> str:
 def register(sub) -> None:
     from pbe import defenses
     from pbe.defenses import SCHEDULES
+    from pbe.defenses.aft import AFT_SCHEDULES
     from pbe.defenses.pbe import DEFAULT_SCHEDULE
     p = sub.add_parser("erase", help="purify a model: PBE without clean data, or AFT with a clean extra set",
                        epilog="An option the chosen --setting does not use is refused.")
     add_common(p, model=True)
     _defense_data_args(p)
     p.add_argument("--setting", choices=["no-clean", "clean-extra"], default="no-clean")
-    p.add_argument("--schedule", choices=sorted(SCHEDULES),
-                   help=f"no-clean only: PBE's schedule (default {DEFAULT_SCHEDULE})")
-    p.add_argument("--target", type=int, help="no-clean only: a target label you already know or suspect "
-                   "(default: PBE's detection scan names it, or none)")
+    p.add_argument("--schedule", choices=sorted(set(SCHEDULES) | set(AFT_SCHEDULES)),
+                   help=f"PBE's schedule (no-clean: {', '.join(sorted(SCHEDULES))}; default {DEFAULT_SCHEDULE}) or "
+                        f"AFT's (clean-extra: {', '.join(AFT_SCHEDULES)}; default {AFT_SCHEDULES[0]})")
+    p.add_argument("--target", type=int, help="a target label you already know or suspect (default: the target "
+                   "scan names it, or none); not with AFT's paper schedule")
     p.add_argument("--lr", type=float, help="fine-tuning learning rate (default: the schedule's)")
     _pgd_args(p)
     p.set_defaults(func=cmd_erase)
