@@ -84,6 +84,23 @@ class DetectTable(ResultsTable):
                          f"of {len(rows)} verdicts right ({sum(verdict_ok(r, True) for r in rows)} without the label "
                          f"share); ROC-AUC of the score, infected vs clean: {fixed(auc, 3)}; "
                          f"mean cost {sum(r['epoch_equivalents'] for r in rows) / len(rows):.2f} epoch-equivalents.")
+        return "\n".join(lines) + self.breakdown()
+
+    def breakdown(self) -> str:
+        """Per zoo set, with the current method and the defender's test and training data: the verdicts right per
+        attack, architecture family and poison rate, clean models apart."""
+        current = [r for r in self.rows if r.get("method") == METHOD and r["setting"] == "test+train"]
+        lines = []
+        for dataset, zoo_set in sorted({(r["dataset"], r["zoo_set"]) for r in current}):
+            rows = [r for r in current if (r["dataset"], r["zoo_set"]) == (dataset, zoo_set)]
+            lines += ["", f"### {dataset} {zoo_set} set: verdicts right", "", "| group | models | right |", "|---|---|---|"]
+            groups = [("attack", lambda r: r["attack"] + (" all-to-all" if r["all_to_all"] else "")),
+                      ("architecture", lambda r: r["model"].split("(")[0]),
+                      ("poison rate", lambda r: "clean" if r["attack"] == "none" else f"{100 * r['rate']:g} %")]
+            for title, key in groups:
+                for value in sorted({key(r) for r in rows}):
+                    rs = [r for r in rows if key(r) == value]
+                    lines.append(f"| {title}: {value} | {len(rs)} | {sum(map(verdict_ok, rs))} of {len(rs)} |")
         return "\n".join(lines)
 
 

@@ -96,8 +96,9 @@ WARP_GRID = 4  # its control grid (size x size displacements)
 PER_IMAGE_STEPS = 10
 PER_IMAGE_SHARE = 0.5  # of the held-out images (its cost: 10 steps x C labels x that many images)
 # bumped whenever the statistic changes, so that results tables re-measure rows made by an older one
-METHOD = ("10: universal L2 + universal warp + train-test gap confirmed by the whole-label trigger, MAD floored at "
-          "2 binomial SEs; activation clusters; label share; per-label budgets shared out over the labels")
+METHOD = ("11: universal L2 + universal warp + train-test gap confirmed by the whole-label trigger, MAD floored at "
+          "2 binomial SEs; activation clusters, deciding first; label share; per-label budgets shared out over the "
+          "labels")
 ALPHA = 0.01  # p-value below which a backdoor is suspected
 ISOLATION_PER_LABEL = 500  # training images per label the activation clusters are measured on
 ISOLATION_HELD_OUT = 128  # images each candidate cluster's trigger is measured on (pbe.isolation: 256)

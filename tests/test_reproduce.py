@@ -404,3 +404,19 @@ def test_tracker_score_sets_the_drop_estimate_beside_the_measured_drop():
     assert found == [{"zoo": "a", "zoo_set": "dev", "estimate": 0.02, "measured": 0.05}]
     md = ts.drop_markdown(found)
     assert "| a | dev | 2.00 | 5.00 | -3.00 |" in md and "Mean absolute error 3.00 points over 1 models" in md
+
+
+def test_detection_table_breaks_verdicts_down_per_attack_architecture_and_rate():
+    sys.path.insert(0, str(EXPERIMENTS))
+    import detect as dt
+
+    def row(attack, target, label, model="preact_resnet18(width=16)", rate=0.1, method=dt.METHOD):
+        return {"dataset": "cifar10", "zoo_set": "dev", "setting": "test+train", "method": method, "attack": attack,
+                "all_to_all": False, "target": target, "label": label, "suspected": label is not None,
+                "label_map": None, "model": model, "rate": rate}
+    table = dt.results_table()
+    table.rows = [row("badnets", 3, 3), row("badnets", 5, 2, model="lenet(width=6)", rate=0.05),
+                  row("none", None, None, rate=0.0), row("blend", 1, 1, method="10: an older one")]
+    md = table.breakdown()
+    assert "| attack: badnets | 2 | 1 of 2 |" in md and "| architecture: lenet | 1 | 0 of 1 |" in md
+    assert "| poison rate: clean | 1 | 1 of 1 |" in md and "blend" not in md  # an older method's row is left out
