@@ -39,7 +39,8 @@ from pbe.utils import PBEError, json_safe
 MODELS = ["badnets", "badnets_a2a", "blend", "sig", "sig_poison_label", "wanet", "input_aware"]  # summary columns
 BACKDOORBENCH_ATTACKS = {"badnets", "blend", "sig", "wanet", "input_aware"}  # the zoo models it has rows for
 
-ORDER = ["ft", "fp", "nad", "anp", "ibau", "aft", "aft_paper", "sau", "pbe", "pbe_lr1e-3", "abl", "ac", "ss", "strip"]
+ORDER = ["ft", "fp", "nad", "anp", "ibau", "aft", "aft_paper", "sau", "ftsam", "pbe", "pbe_lr1e-3", "abl", "ac",
+         "ss", "strip"]
 # labelled variants: a row name -> (registered defence, parameters). PBE's `fast` schedule fine-tunes at
 # lr 0.01; the authors' code uses 0.001.
 VARIANTS = {"pbe_lr1e-3": ("pbe", {"lr": 0.001}), "aft_paper": ("aft", {"schedule": "paper"})}
@@ -63,8 +64,8 @@ def cpu_budget(defense: str, recipe: str) -> dict:
     epochs = get_recipe(recipe).epochs
     abl = {"tuning_epochs": round(0.2 * epochs), "finetuning_epochs": round(0.6 * epochs)}
     return {"ft": {"epochs": 20}, "fp": {"epochs": 20}, "nad": {"epochs": 20}, "anp": {"iterations": 400},
-            "sau": {"epochs": 20}, "abl": abl, "ac": {"retrain": recipe}, "ss": {"retrain": recipe},
-            "strip": {"n": 10, "retrain": recipe}}.get(defense, {})
+            "sau": {"epochs": 20}, "ftsam": {"epochs": 20}, "abl": abl, "ac": {"retrain": recipe},
+            "ss": {"retrain": recipe}, "strip": {"n": 10, "retrain": recipe}}.get(defense, {})
 
 
 def stale(row: dict) -> bool:

@@ -19,6 +19,7 @@ TINY = {
     "ibau": dict(rounds=5, batch_size=64),
     "aft": dict(epochs=10, adv_epochs=3),
     "sau": dict(epochs=10, batch_size=64, lr=1e-3),
+    "ftsam": dict(epochs=20, batch_size=64),
     "pbe": dict(),
     # at lr 0.01 the tiny net learns clean digits about as fast as the patch; at 0.05 the patch is mostly first
     "abl": dict(tuning_epochs=5, finetuning_epochs=20, unlearning_epochs=5, batch_size=64, isolation_ratio=0.05,

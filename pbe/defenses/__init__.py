@@ -1,6 +1,6 @@
 """Defences behind one interface: ``pbe.defenses.create(name, **params)(model, data, ...)``.
 
-Model repair with a clean extra set: ``ft``, ``fp``, ``nad``, ``anp``, ``ibau``, ``aft``, ``sau``.
+Model repair with a clean extra set: ``ft``, ``fp``, ``nad``, ``anp``, ``ibau``, ``aft``, ``sau``, ``ftsam``.
 Without clean data: ``pbe`` (repair), ``abl`` (training anew) and the filtering defences ``ac``, ``ss``, ``strip``.
 
     >>> defense = pbe.defenses.create("nad", epochs=20)
@@ -17,6 +17,7 @@ from pbe.defenses.base import (SETTINGS, Context, Cost, Defense, DefenseResult, 
 from pbe.defenses.filtering import FilteringDefense
 from pbe.defenses.fp import FinePruning
 from pbe.defenses.ft import FineTuning
+from pbe.defenses.ftsam import FTSAM
 from pbe.defenses.ibau import IBAU
 from pbe.defenses.nad import NAD
 from pbe.defenses.aft import AFT, aft
@@ -28,8 +29,8 @@ from pbe.registry import Registry
 from pbe.utils import PBEError
 
 REGISTRY: Registry[type[Defense]] = Registry("defence")
-for _cls in (FineTuning, FinePruning, NAD, ANP, IBAU, AFT, SAU, PBE, ABL, ActivationClustering, SpectralSignatures,
-             STRIP):
+for _cls in (FineTuning, FinePruning, NAD, ANP, IBAU, AFT, SAU, FTSAM, PBE, ABL, ActivationClustering,
+             SpectralSignatures, STRIP):
     REGISTRY.register(_cls.name, _cls)
 
 
