@@ -30,7 +30,7 @@ from pbe.utils import PBEError
 HERE = Path(__file__).resolve().parent
 # the table scripts (each runs its cells on this grid)
 SCRIPTS = ("clean_cifar10", "attacks_cifar10", "premise_cifar10", "scan_families", "scan_budget", "detect", "isolation",
-           "pbe_cifar10", "pbe_ablation_cifar10", "defenses_cifar10", "digits")
+           "pbe_cifar10", "pbe_ablation_cifar10", "defenses_cifar10", "digits", "clean_size")
 RETRIES = 3  # Ray: how often a cell whose worker died is run again
 RESOURCES = ("num_cpus", "num_gpus")  # what a config may ask of Ray per cell
 OBJECT_STORE_BYTES = 256 * 2 ** 20  # a local Ray instance: rows are small, the default (30 % of RAM) is not

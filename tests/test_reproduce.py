@@ -420,3 +420,13 @@ def test_detection_table_breaks_verdicts_down_per_attack_architecture_and_rate()
     md = table.breakdown()
     assert "| attack: badnets | 2 | 1 of 2 |" in md and "| architecture: lenet | 1 | 0 of 1 |" in md
     assert "| poison rate: clean | 1 | 1 of 1 |" in md and "blend" not in md  # an older method's row is left out
+
+
+def test_clean_size_table_pivots_defences_by_clean_fraction():
+    sys.path.insert(0, str(EXPERIMENTS))
+    import clean_size as cs
+    rows = [{"zoo": "cifar10/badnets", "defense": "aft", "clean_fraction": f, "acc": 0.8, "asr": a}
+            for f, a in ((0.05, 0.01), (0.005, 0.5))]
+    md = cs.summary_markdown(rows)
+    assert "| zoo | defence | 0.5 % | 5 % |" in md and "| cifar10/badnets | aft | 80.00 / 50.00 | 80.00 / 1.00 |" in md
+    assert {c.params["fraction"] for c in cs.cells({**cs.CONFIG, "only": ["nothing"]})} == set()
