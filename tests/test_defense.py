@@ -614,8 +614,9 @@ def test_all_to_all_map_needs_one_target_per_source_not_one_label_for_all():
 
 
 def test_pbe_warns_when_it_found_nothing_to_aim_at_or_estimates_a_large_drop(clean_model, digits):
-    """No silent damage: where nothing was named or isolated PBE says its fine-tuning was untargeted; an estimated
-    drop above ACC_DROP_WARNING is said too; a run's report carries what it warned."""
+    """No silent damage: where nothing was named or isolated PBE says its fine-tuning was untargeted; a backdoor
+    the tracker still reads after the last round and an estimated drop above ACC_DROP_WARNING are said too; a
+    run's report carries what it warned."""
     import warnings
 
     from pbe.defenses.pbe import ACC_DROP_WARNING, warn_on
@@ -627,6 +628,10 @@ def test_pbe_warns_when_it_found_nothing_to_aim_at_or_estimates_a_large_drop(cle
     assert warn_on({**quiet, "schedule": {"targeted": False}, "plan": {"distrust": "none"}}) == []  # asked for
     with pytest.warns(PBEWarning, match="points of clean accuracy"):
         assert len(warn_on({**quiet, "acc_drop_estimate": {"estimate": ACC_DROP_WARNING + 0.01}})) == 1
+    still = {"evidence": "scan", "label": 3, "reach": 0.9, "score": 5.0, "there": True}
+    with pytest.warns(PBEWarning, match="still reads the backdoor .*label 3"):
+        assert len(warn_on({**quiet, "tracker_after": still})) == 1
+    assert warn_on({**quiet, "tracker_after": {**still, "there": False}}) == []
     s = digits_default(fractions=(0.1,), epochs=(1,), adv_batches=(None,), universal_images=64)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

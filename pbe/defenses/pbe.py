@@ -465,13 +465,18 @@ ACC_DROP_WARNING = 0.03
 
 def warn_on(report: dict) -> list[str]:
     """What PBE says a user must know from its own report, without ground truth: it found nothing to aim at (so
-    its fine-tuning was untargeted), or it estimates it cost more than ACC_DROP_WARNING of clean accuracy. Each
-    message is also issued as a ``PBEWarning``."""
-    said, plan = [], report.get("plan") or {}
+    its fine-tuning was untargeted), the erasure tracker still reads the backdoor it aimed at after the last round,
+    or it estimates it cost more than ACC_DROP_WARNING of clean accuracy. Each message is also issued as a
+    ``PBEWarning``."""
+    said, plan, after = [], report.get("plan") or {}, report.get("tracker_after")
     if report["schedule"]["targeted"] and plan.get("distrust") == "none":
         said.append("pbe: neither the target scan nor the isolation found a backdoor, so the fine-tuning was "
                     "untargeted and may have left one in place; if you know the target label, pass it (target=, "
                     "CLI --target)")
+    elif after is not None and after["there"]:
+        said.append(f"pbe: after the last round the erasure tracker still reads the backdoor ({after['evidence']}: "
+                    f"reach {100 * after['reach']:.0f} % toward label {after['label']}); it may not be erased: "
+                    "measure the purified model, or run PBE again on it")
     estimate = (report.get("acc_drop_estimate") or {}).get("estimate")
     if estimate is not None and estimate > ACC_DROP_WARNING:
         said.append(f"pbe: it estimates that the erasure cost {100 * estimate:.1f} points of clean accuracy (from "
