@@ -19,7 +19,8 @@ from common import run_cell as run_command
 from grid import Cell, execute, median_cost, script_main
 
 from pbe import zoo
-from pbe.defenses.pbe import DEFAULT_SCHEDULE
+from pbe.defenses.pbe import DEFAULT_SCHEDULE, PBE
+from pbe.utils import json_safe
 
 CONFIG = {"set": "dev", "dataset": "cifar10", "only": None, "schedules": [DEFAULT_SCHEDULE], "aft": True, "seeds": [0],
           "given_target": False}  # given_target: PBE is told the zoo model's target (`pbe erase --target`), as
@@ -118,9 +119,13 @@ def summary_markdown(rows: list[dict], dataset: str = "cifar10") -> str:
 
 
 def stale(row: dict) -> bool:
-    """A row of PBE's default without the erasure tracker was made by an earlier default (before the tracker and
-    the one-verdict plan): it is redone, and stays until the new row replaces it."""
-    return row["defense"] == "pbe" and row_schedule(row) == DEFAULT_SCHEDULE and "tracker" not in row
+    """A row of PBE's default made by an earlier default is redone (it stays until the new row replaces it): one
+    without the erasure tracker (before it and the one-verdict plan), or whose resolved schedule differs from the
+    default's now (e.g. another scan budget)."""
+    if row["defense"] != "pbe" or row_schedule(row) != DEFAULT_SCHEDULE or row.get("given_target"):
+        return False
+    now = json_safe(PBE().resolved()["schedule"])
+    return "tracker" not in row or (row.get("params") or {}).get("schedule") != now
 
 
 def cells(cfg: dict) -> list[Cell]:
@@ -155,6 +160,7 @@ def run_cell(name: str, defense: str, schedule: str, seed: int, given_target: bo
     m = run_command(cmd, out)
     report = json.loads((ROOT / out / "report.json").read_text())
     row = defence_row(zoo_cell(entry, defense, setting, seed, schedule=schedule, **given), m["command"], report, entry,
+                      params=report["params"],
                       rounds=len(report["rounds"]), stopped_early=report.get("stopped_early"),
                       monitor_before=report["monitor_before"]["top_kappa"],
                       monitor_after=report["monitor_after"]["top_kappa"])

@@ -52,8 +52,8 @@ def drop_markdown(found: list[dict]) -> str:
     if not found:
         return ""
     lines = ["", "## PBE's estimate of its accuracy drop against the measured drop", "",
-             "PBE estimates the drop from training samples it never fine-tuned on (``acc_drop_estimate``); the measured "
-             "drop is on the test set. In points; error = estimate - measured.", "",
+             "PBE estimates the drop from training samples it never fine-tuned on (``acc_drop_estimate``); the "
+             "measured drop is on the test set. In points; error = estimate - measured.", "",
              "| zoo | set | estimate | measured | error |", "|---|---|---|---|---|"]
     for f in found:
         lines.append(f"| {f['zoo']} | {f['zoo_set']} | {100 * f['estimate']:.2f} | {100 * f['measured']:.2f} | "

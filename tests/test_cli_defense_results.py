@@ -96,7 +96,8 @@ def test_cli_erase_clean_extra_and_user_errors(attack_run, tmp_path, cli_here):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["defense"] == "aft" and len(report["clean_indices"]) == round(0.2 * 1437)
     assert report["params"]["schedule"] == "paper"
-    rc, err = cli_here("erase", "--model", attack_run, "--setting", "clean-extra", "--eps", "0.1", "--out", tmp_path / "z")
+    rc, err = cli_here("erase", "--model", attack_run, "--setting", "clean-extra", "--eps", "0.1",
+                       "--out", tmp_path / "z")
     assert rc == 2 and "--schedule paper" in err  # the targeted default has no PGD to set
     rc, err = cli_here("erase", "--model", attack_run, "--out", tmp_path / "x")
     assert rc == 2 and "--poison-from" in err and "Traceback" not in err
