@@ -95,7 +95,8 @@ class DetectTable(ResultsTable):
             rows = [r for r in current if (r["dataset"], r["zoo_set"]) == (dataset, zoo_set)]
             lines += ["", f"### {dataset} {zoo_set} set: verdicts right", "", "| group | models | right |",
                       "|---|---|---|"]
-            groups = [("attack", lambda r: r["attack"] + (" all-to-all" if r["all_to_all"] else "")),
+            groups = [("attack", lambda r: "none (clean)" if r["attack"] == "none" else
+                       r["attack"] + (" all-to-all" if r["all_to_all"] else "")),
                       ("architecture", lambda r: r["model"].split("(")[0]),
                       ("poison rate", lambda r: "clean" if r["attack"] == "none" else f"{100 * r['rate']:g} %")]
             for title, key in groups:
