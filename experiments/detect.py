@@ -84,7 +84,8 @@ class DetectTable(ResultsTable):
                          f"of {len(rows)} verdicts right ({sum(verdict_ok(r, True) for r in rows)} without the label "
                          f"share); ROC-AUC of the score, infected vs clean: {fixed(auc, 3)}; "
                          f"mean cost {sum(r['epoch_equivalents'] for r in rows) / len(rows):.2f} epoch-equivalents.")
-        return "\n".join(lines) + self.breakdown()
+        breakdown = self.breakdown()
+        return "\n".join(lines) + ("\n" + breakdown if breakdown else "")
 
     def breakdown(self) -> str:
         """Per zoo set, with the current method and the defender's test and training data: the verdicts right per
