@@ -159,12 +159,16 @@ def run_cell(name: str, defense: str, schedule: str, seed: int, given_target: bo
            *(["--target", str(entry.target)] if given_target else [])]
     m = run_command(cmd, out)
     report = json.loads((ROOT / out / "report.json").read_text())
+    if "check" in report:  # AFT's targeted schedule: its checks on the held-out clean images, its stop
+        extra = {"checks": len(report["check"]), "stopped": report["stopped"], "aft_target": report["target"],
+                 "check_acc_drop": report["check_acc_drop"]}
+    else:
+        extra = {"rounds": len(report["rounds"]), "stopped_early": report.get("stopped_early"),
+                 "monitor_before": report["monitor_before"]["top_kappa"],
+                 "monitor_after": report["monitor_after"]["top_kappa"],
+                 "detection": report["rounds"][-1].get("detection")}
     row = defence_row(zoo_cell(entry, defense, setting, seed, schedule=schedule, **given), m["command"], report, entry,
-                      params=report["params"],
-                      rounds=len(report["rounds"]), stopped_early=report.get("stopped_early"),
-                      monitor_before=report["monitor_before"]["top_kappa"],
-                      monitor_after=report["monitor_after"]["top_kappa"])
-    row["detection"] = report["rounds"][-1].get("detection")
+                      params=report["params"], **extra)
     print(f"{entry.name} {defense} {schedule}: acc {row['acc_before']:.4f}->{row['acc']:.4f} "
           f"asr {row['asr_before']:.4f}->{row['asr']:.4f} ee={row['epoch_equivalents']:.2f}", flush=True)
     return row
