@@ -399,15 +399,9 @@ def detect(model: nn.Module, dataset, *, budget: str | ScanBudget = "detect", l2
         if train_data is not None:
             check_dataset(train_data, where="detect", what="train_data")
     k = int(dataset.num_classes)
-    held_out = _check_settings(b, k, len(dataset), alpha, l2_rms, pgd_eps, warp_shift)
-    scale = 1.0 if b.label_budget is None else min(1.0, b.label_budget / k)
-
-    def scaled(count: int) -> int:
-        """A per-label count shared out over the labels (at least one image per label)."""
-        return max(k, round(count * scale))
-
+    _check_settings(b, k, len(dataset), alpha, l2_rms, pgd_eps, warp_shift)
     # 1. two halves of the images: one fits each label's perturbations, the other measures them
-    images, held_out = scaled(b.images), scaled(held_out) if b.scale_held_out else held_out
+    images, held_out = scan_counts(b, k)
     gen = torch.Generator().manual_seed(seed)
     (xo, yo), (xh, yh) = scan_images(dataset, images, held_out, gen)
     # 2. per label: the reach of a small universal perturbation of each family (and of per-image PGD)
@@ -422,8 +416,9 @@ def detect(model: nn.Module, dataset, *, budget: str | ScanBudget = "detect", l2
     # 3. with the training set: the clean-label gap, the label shares and the activation clusters
     gap, gap_z, share, shared, iso = None, None, None, None, None
     if train_data is not None:
-        gap, gap_z, share, shared, iso = _training_set_tests(model, dataset, train_data, k, images, scaled(
-            ISOLATION_HELD_OUT), seed, gen, tests, cost)
+        gap, gap_z, share, shared, iso = _training_set_tests(model, dataset, train_data, k, images,
+                                                             label_scaled(ISOLATION_HELD_OUT, b, k), seed, gen, tests,
+                                                             cost)
     scores, tried = {name: round(t[1], 3) for name, t in tests.items()}, len(tests)
     if "gap" in tests and (iso is None or iso.whole_label != tests["gap"][0]):
         del tests["gap"]  # a harder class, not a trigger (module docstring): reported, not counted
@@ -442,6 +437,18 @@ def detect(model: nn.Module, dataset, *, budget: str | ScanBudget = "detect", l2
         cluster_labels=None if iso is None else iso.flagged, isolation=None if iso is None else iso.as_dict(),
         share=share, share_score=None if shared is None else round(shared[1], 3),
         tests={name: [t[0], round(t[1], 3), t[2]] for name, t in tests.items()})
+
+
+def label_scaled(count: int, b: ScanBudget, k: int) -> int:
+    """A per-label count of budget `b` on `k` labels, shared out over them beyond ``b.label_budget`` (at least one
+    image per label)."""
+    return max(k, round(count * (1.0 if b.label_budget is None else min(1.0, b.label_budget / k))))
+
+
+def scan_counts(b: ScanBudget, k: int) -> tuple[int, int]:
+    """How many images the scan of budget `b` on `k` labels fits its perturbations on, and measures them on."""
+    held_out = b.images if b.held_out is None else b.held_out
+    return label_scaled(b.images, b, k), label_scaled(held_out, b, k) if b.scale_held_out else held_out
 
 
 def scan_images(dataset, images: int, held_out: int, gen: torch.Generator) -> tuple[tuple, tuple]:

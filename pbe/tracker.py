@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from pbe.data import ImageDataset
-from pbe.detection import Detection, label_z, reached, scan_budget, scan_families, scan_images
+from pbe.detection import Detection, label_z, reached, scan_budget, scan_counts, scan_families, scan_images
 from pbe.isolation import HELD_OUT, MIN_FOOLING, EstimatedTrigger
 from pbe.metrics import predict
 from pbe.utils import Cost
@@ -55,12 +55,8 @@ def scan_track(model: nn.Module, data: ImageDataset, scan: Detection, label: int
     the label ("universal" or "warp"). The cost is added to `cost`."""
     b = scan_budget(budget)
     k = data.num_classes
-    scale = 1.0 if b.label_budget is None else min(1.0, b.label_budget / k)
-    images = max(k, round(b.images * scale))
-    held_out = b.images if b.held_out is None else b.held_out
-    held_out = max(k, round(held_out * scale)) if b.scale_held_out else held_out
     gen = torch.Generator().manual_seed(seed)
-    (xo, yo), (xh, yh) = scan_images(data, images, held_out, gen)  # the scan's own images
+    (xo, yo), (xh, yh) = scan_images(data, *scan_counts(b, k), gen)  # the scan's own images
     fam = scan_families(xo[0].shape, l2_rms, warp_shift, b)[family]
     reach = float(reached(model, xo, yo, xh, yh, fam, label, gen).sum() / (yh != label).sum().clamp_min(1))
     cost.add(Cost(forward_backward=b.epochs * int((yo != label).sum()), forward=len(xh)))
