@@ -31,11 +31,9 @@ from pbe.activations import probe_indices
 from pbe.adversarial import PAPER_PGD, PGDConfig
 from pbe.data import ImageDataset
 from pbe.defenses.base import Context, Defense, Evaluation, measure
-from pbe.defenses.pbe import (ACC_DROP_WARNING, SCAN_FAMILIES, Schedule, adversarial_finetune, calibrate, run_monitor,
-                              scan_target, target_scan, weak_evidence_threshold)
-from pbe.detection import WARP_SHIFT
+from pbe.defenses.pbe import (ACC_DROP_WARNING, SCAN_FAMILIES, Plan, Schedule, adversarial_finetune, calibrate,
+                              run_monitor, scan_target, target_scan, track)
 from pbe.metrics import predict
-from pbe.tracker import scan_track, scan_track_before
 from pbe.utils import Cost, PBEError, PBEWarning
 
 AFT_SCHEDULES = ("targeted", "paper")
@@ -139,21 +137,18 @@ class AFT(Defense):
         if target is not None and s.universal_reach > 0:
             families, report["universal_calibration"] = calibrate(original, fit, target, families, s, ctx)
         # 4. fine-tune, check
-        watched = target if target is not None else scan.top_label
-        family = "warp" if scan.evidence == "warp" and scan.top_label == watched else "universal"
-        threshold = weak_evidence_threshold(data.num_classes)
-        report["tracker_before"] = scan_track_before(scan, watched, family, data.num_classes, threshold).as_dict()
+        plan, untouched = Plan(target=target), torch.zeros(len(data), dtype=torch.bool)  # the tracker's view of it
+        report["tracker_before"] = track(original, plan, scan, None, data, s, ctx, untouched, before=True)
         done, gone, report["stopped"] = 0, 0, None
         while done < p["epochs"] and report["stopped"] is None:
             epochs = min(p["check_every"], p["epochs"] - done)
             adversarial_finetune(model, fit, s, ctx, epochs=epochs, adv_batches=None,
                                  desc=f"AFT epochs {done + 1}-{done + epochs}", families=families, target=target)
             done += epochs
-            reading = scan_track(model, data, scan, watched, family, budget=s.scan_budget, l2_rms=s.scan_l2_rms,
-                                 warp_shift=WARP_SHIFT, seed=ctx.seed, threshold=threshold, cost=ctx.cost)
-            gone = 0 if reading.there else gone + 1
+            reading = track(model, plan, scan, None, data, s, ctx, untouched)
+            gone = 0 if reading["there"] else gone + 1
             acc = held_out_accuracy(model, check, ctx)
-            report["check"].append({"epochs": done, "tracker": reading.as_dict(), "check_acc": round(acc, 4),
+            report["check"].append({"epochs": done, "tracker": reading, "check_acc": round(acc, 4),
                                     "check_acc_drop": round(acc_before - acc, 4),
                                     "metrics": measure(model, ctx.evaluation)})
             if report["tracker_before"]["there"] and gone >= p["stop_after"]:
