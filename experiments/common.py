@@ -110,7 +110,7 @@ def trained_row(cell: dict, m: dict, out: Path) -> dict:
 
 
 # report keys a row keeps: why a defence failed (ABL), and where a killed run resumed (on what, with what code)
-REPORT_DIAGNOSTICS = ("isolated_loss", "unlearning", "resumed")
+REPORT_DIAGNOSTICS = ("isolated_loss", "unlearning", "resumed", "augmentation")
 
 
 def tracking(report: dict) -> dict:

@@ -20,6 +20,7 @@ from grid import Cell, execute, median_cost, script_main
 
 from pbe import zoo
 from pbe.defenses.pbe import DEFAULT_SCHEDULE, PBE
+from pbe.train import RECIPES
 from pbe.utils import json_safe
 
 CONFIG = {"set": "dev", "dataset": "cifar10", "only": None, "schedules": [DEFAULT_SCHEDULE], "aft": True, "seeds": [0],
@@ -121,11 +122,14 @@ def summary_markdown(rows: list[dict], dataset: str = "cifar10") -> str:
 def stale(row: dict) -> bool:
     """A row of PBE's default made by an earlier default is redone (it stays until the new row replaces it): one
     without the erasure tracker (before it and the one-verdict plan), or whose resolved schedule differs from the
-    default's now (e.g. another scan budget)."""
+    default's now (e.g. another scan budget), or made before the augmentation check on a model its zoo recipe trained
+    without augmentation (the check changes what such a run fine-tunes on)."""
     if row["defense"] != "pbe" or row_schedule(row) != DEFAULT_SCHEDULE or row.get("given_target"):
         return False
     now = json_safe(PBE().resolved()["schedule"])
-    return "tracker" not in row or (row.get("params") or {}).get("schedule") != now
+    unaugmented = row.get("recipe") in RECIPES and RECIPES[row["recipe"]].crop_padding == 0
+    return ("tracker" not in row or (row.get("params") or {}).get("schedule") != now
+            or (unaugmented and "augmentation" not in row))
 
 
 def cells(cfg: dict) -> list[Cell]:

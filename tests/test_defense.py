@@ -640,3 +640,53 @@ def test_pbe_warns_when_it_found_nothing_to_aim_at_or_estimates_a_large_drop(cle
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert report["warnings"] == said == warn_on(report)
+
+
+class _PixelReader(torch.nn.Module):
+    """Logits from one pixel's value: exact on the plain images, chance once they are shifted."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(10.0))
+
+    def forward(self, x):
+        v = x[:, 0, 2, 2] - 0.5
+        return torch.stack([-v, v], 1) * self.scale
+
+
+class _MeanReader(torch.nn.Module):
+    """Logits from the image's mean brightness: crops and flips keep it."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(10.0))
+
+    def forward(self, x):
+        v = x.mean((1, 2, 3)) - 0.5
+        return torch.stack([-v, v], 1) * self.scale
+
+
+def test_augmentation_check_tells_a_model_fitted_to_the_plain_images_from_an_invariant_one():
+    from pbe.data import ImageDataset
+    from pbe.defenses.base import Context, augmentation_check
+    gen = torch.Generator().manual_seed(0)
+    pixel = torch.randint(0, 256, (400, 1, 12, 12), generator=gen, dtype=torch.uint8)
+    by_pixel = ImageDataset(pixel, (pixel[:, 0, 2, 2] >= 128).long(), ["0", "1"], flip=True)
+    level = (torch.rand(400, generator=gen) < 0.5).long()
+    flat = (level * 150 + 50)[:, None, None, None].expand(400, 1, 12, 12).to(torch.uint8).contiguous()
+    by_mean = ImageDataset(flat, level, ["0", "1"], flip=True)
+    ctx = Context(device=torch.device("cpu"), gen=torch.Generator().manual_seed(0), seed=0, progress=False)
+    memorised = augmentation_check(_PixelReader(), by_pixel, 2, ctx)
+    invariant = augmentation_check(_MeanReader(), by_mean, 2, ctx)
+    assert memorised["plain"] == 1.0 and memorised["augmented"] < 0.8 and not memorised["fits"]
+    assert invariant["plain"] == 1.0 and invariant["fits"]
+    assert augmentation_check(_PixelReader(), replace(by_pixel, flip=False), 0, ctx)["fits"]  # nothing to check
+
+
+def test_pbe_fine_tunes_on_plain_images_where_the_models_training_had_smaller_crops(blend_model):
+    model, _, poisoned = blend_model  # trained with 1-pixel crops
+    one = digits_default(fractions=(0.05,), epochs=(1,), adv_batches=(None,))
+    _, kept = erase(model, poisoned, one, progress=False)
+    _, plain = erase(model, poisoned, replace(one, crop_padding=3), progress=False)
+    assert kept["augmentation"]["fits"] and kept["schedule"]["crop_padding"] == 1
+    assert not plain["augmentation"]["fits"] and plain["schedule"]["crop_padding"] == 0

@@ -18,11 +18,15 @@ and no relabelling there: every sample is clean, the target's own images include
    after each, **check** on the held-out part: its accuracy against the original model's, and the erasure tracker
    (``pbe.tracker``: the scan's statistic re-measured on the target). It stops once the tracker has read "gone"
    `stop_after` checks in a row, and says so; else after `epochs`.
+
+Like PBE, it fine-tunes on the plain images where random crops and flips cost the model accuracy on its own data
+(a model trained without them: ``pbe.defenses.base.augmentation_check``).
 """
 from __future__ import annotations
 
 import copy
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -30,7 +34,7 @@ import torch.nn as nn
 from pbe.activations import probe_indices
 from pbe.adversarial import PAPER_PGD, PGDConfig
 from pbe.data import ImageDataset
-from pbe.defenses.base import Context, Defense, Evaluation, measure
+from pbe.defenses.base import Context, Defense, Evaluation, augmentation_check, measure
 from pbe.defenses.pbe import (ACC_DROP_WARNING, SCAN_FAMILIES, Plan, Schedule, adversarial_finetune, calibrate,
                               run_monitor, scan_target, target_scan, track)
 from pbe.metrics import predict
@@ -121,6 +125,9 @@ class AFT(Defense):
                            f"got {len(data)}")
         s = Schedule(lr=p["lr"], lr_schedule="constant", batch_size=p["batch_size"], crop_padding=p["crop_padding"])
         original = copy.deepcopy(model).eval()
+        augmentation = augmentation_check(original, data, s.crop_padding, ctx)
+        if not augmentation["fits"]:  # fine-tune on the plain images the model was trained on
+            s, data = replace(s, crop_padding=0), replace(data, flip=False)
         # 1. split
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(ctx.seed))
         n_check = max(data.num_classes, round(p["check_fraction"] * len(data)))
@@ -129,8 +136,8 @@ class AFT(Defense):
         # 2. scan
         scan = target_scan(original, data, s, ctx)
         target = p["target"] if p["target"] is not None else scan_target(scan, data.num_classes)
-        report = {"schedule": "targeted", "clean_size": len(data), "check_size": len(check), "scan": scan.as_dict(),
-                  "target": target, "check": []}
+        report = {"schedule": "targeted", "clean_size": len(data), "check_size": len(check),
+                  "augmentation": augmentation, "scan": scan.as_dict(), "target": target, "check": []}
         # 3. calibrate
         kinds = SCAN_FAMILIES.get(scan.evidence) if target is not None and target == scan.top_label else None
         families = tuple(c for c in s.families if kinds is None or c.kind in kinds) or s.families

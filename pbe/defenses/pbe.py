@@ -22,6 +22,8 @@ adversarial share of every batch at the target that a trigger-free scan names. `
    moved) -> *check* (a cluster held back as evidence: does its trigger still work?) -> *select* (the least
    suspicious share of every label) -> *relabel* (distrusted samples the purified model moved).
 
+Every fine-tuning step runs on the plain images where random crops and flips cost the infected model accuracy on its
+own training samples, i.e. where it was trained without them (``pbe.defenses.base.augmentation_check``).
 ``schedule="paper"`` is the authors' method. The trigger, the target and the poison indices are never used, except
 by the optional ``Evaluation``, which measures the report in one place (``ground_truth``).
 """
@@ -41,7 +43,7 @@ from pbe.adversarial import (MONITOR_PGD, PAPER_EPS, PAPER_PGD, PGDConfig, Unive
 from pbe.data import ImageDataset
 from pbe.detection import (SCAN_BUDGETS, SCAN_L2_RMS, WARP_GRID, WARP_SHIFT, Detection, ScanBudget, Verdict,
                            decide, detect)
-from pbe.defenses.base import Context, Defense, Evaluation, measure, sgd_finetune
+from pbe.defenses.base import Context, Defense, Evaluation, augmentation_check, measure, sgd_finetune
 from pbe.isolation import HELD_OUT, MIN_FOOLING, EstimatedTrigger, Isolation, isolate
 from pbe.metrics import predict, ranking_quality
 from pbe.models import has_linear_head, penultimate
@@ -597,9 +599,13 @@ class PBE(Defense):
             raise PBEError(f"pbe: target {given} is not a label of the data ({data.num_classes} classes)")
         original = copy.deepcopy(model).eval()
         feats, z0 = self._original_outputs(original, data, s, ctx)
+        augmentation = augmentation_check(original, data, s.crop_padding, ctx, plain_logits=z0)
+        if not augmentation["fits"]:  # fine-tune on the plain images the model was trained on
+            s, data = replace(s, crop_padding=0), replace(data, flip=False)
         probe = probe_indices(data.labels, s.probe_size, ctx.seed)
         before = run_monitor(model, data, probe, s, ctx).as_dict()
-        report = {"schedule": s.as_dict(), "probe_indices": probe.tolist(), "monitor_before": before, "rounds": []}
+        report = {"schedule": s.as_dict(), "augmentation": augmentation, "probe_indices": probe.tolist(),
+                  "monitor_before": before, "rounds": []}
         # 1. plan
         plan, iso, scan = self._plan(original, data, feats, given, s, ctx, report)
         distrusted = self._distrusted(plan, iso, data)
