@@ -60,15 +60,14 @@ def markdown(rows: list[dict]) -> str:
                            for h in r["hardest"].values())
         lines.append(f"| {r['zoo']} | {r['zoo_set']} | {r['attack']} | {r['label_samples']} ({r['label_poison']}) | "
                      f"{r['typical']:.0f} | {cells} |")
-    lines += ["", f"Hardware: {rows[0]['hardware']}." if rows else ""]
-    return "\n".join(lines)
+    hardware = sorted({r["hardware"] for r in rows})
+    return "\n".join(lines + ["", f"Hardware: {'; '.join(hardware)}."])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="*", help="zoo names (default: every built infected dev model)")
-    args = ap.parse_args()
-    names = args.only or [n for n, e in zoo.entries().items() if e.set == "dev" and zoo.is_built(n)]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="zoo names (default: every built infected dev model)")
+    names = parser.parse_args().only or [n for n, e in zoo.entries().items() if e.set == "dev" and zoo.is_built(n)]
     rows = [r for r in map(measure, names) if r is not None]
     write_json(RESULTS / "hardest_target_samples.json", rows)
     (RESULTS / "hardest_target_samples.md").write_text(markdown(rows) + "\n")
