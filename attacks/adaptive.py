@@ -117,9 +117,11 @@ class AdapBlend(_PartialTrigger):
             pieces kept, the authors').
         cover_rate (float): cover samples as a share of the training set (default 0.003, the authors'
             CIFAR-10 setting with poison rate 0.003).
-        key (str | Tensor): the blend key, built exactly as ``Blend``'s with the same seed: "noise"
-            (default) or "smooth", or an image tensor. The authors blend a Hello Kitty picture; a seeded
-            key replaces it here (no image files in the toolkit).
+        key (str | Tensor): the blend key, built exactly as ``Blend``'s with the same seed: "smooth"
+            (default) or "noise", or an image tensor. The authors blend a Hello Kitty picture; a seeded
+            smooth key, the closer to a natural image, replaces it here (no image files in the toolkit).
+            With the noise key at 1 % poison the zoo's 15-epoch CIFAR-10 recipe, whose random crops shift
+            a pixel-noise key, learnt 1.88 % ASR.
 
     Example::
 
@@ -134,7 +136,7 @@ class AdapBlend(_PartialTrigger):
     name = "adap_blend"
 
     def __init__(self, target=0, all_to_all=False, seed=0, alpha_train=0.15, alpha_test=0.2, pieces=16,
-                 mask_rate=0.5, cover_rate=0.003, key="noise"):
+                 mask_rate=0.5, cover_rate=0.003, key="smooth"):
         super().__init__(target, all_to_all, seed, cover_rate)
         for a in (alpha_train, alpha_test):
             if not 0 < a <= 1:
