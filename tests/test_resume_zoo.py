@@ -169,3 +169,15 @@ def test_committed_zoo_config_is_valid(monkeypatch):
     for e in found.values():  # every committed entry's command parses
         args = parser().parse_args(e.command(zoo.REPO / "runs" / "x", None)[1:])
         assert args.seed == e.seed and args.dataset == e.dataset
+
+
+def test_a_backdoor_the_model_did_not_learn_is_not_installed(tmp_path, monkeypatch):
+    (tmp_path / "zoo").mkdir()
+    (tmp_path / "zoo" / "zoo.yaml").write_text(
+        "defaults: {dataset: digits, recipe: tiny, epochs: 1, rate: 0.001, target: 0, all_to_all: false, seed: 0}\n"
+        "models:\n  - {name: digits/weak, set: dev, attack: badnets, params: {size: 2}}\n")
+    monkeypatch.setenv("PBE_ZOO", str(tmp_path / "zoo"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PBEError, match="not learnt"):
+        zoo.build("digits/weak")
+    assert not zoo.is_built("digits/weak") and (tmp_path / "runs/zoo/digits/weak/metrics.json").exists()
