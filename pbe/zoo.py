@@ -216,7 +216,7 @@ def _zoo_row(entry: Entry, out: Path, metrics: dict) -> dict:
 
 
 # an infected entry whose trained model's ASR stays below this did not learn its backdoor and is not installed (the
-# zoo's weakest learnt backdoors reach 78 %; a failed one stays near the chance share, e.g. Adap-Blend's noise key 1.9 %)
+# zoo's weakest learnt backdoors reach 78 %; a failed one stays near chance, e.g. Adap-Blend's noise key 1.9 %)
 MIN_LEARNT_ASR = 0.5
 
 
