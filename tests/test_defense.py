@@ -2,6 +2,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pbe import metrics
 from pbe.activations import kappa_detect, label_concentration, neuron_overlap
@@ -348,6 +349,22 @@ def test_balanced_selection_takes_every_labels_share_and_never_a_refused_sample(
     assert torch.isfinite(score[balanced]).all()
     plain = least_suspicious(score, labels, 0.5, balanced=False)
     assert len(plain) == 90 and score[plain].max() <= score[torch.isfinite(score)].sort().values[89]
+
+
+def test_readmission_takes_the_targets_samples_still_assigned_to_it_but_never_isolated_poison():
+    """Rounds.select: with a readmitting plan, the target's samples the purified model still assigns to the target
+    may join the next subset, except those the isolation holds as poison (their trigger may still work)."""
+    from pbe.defenses.pbe import Plan, Rounds
+    labels = torch.arange(4).repeat_interleave(10)  # target 0: samples 0-9
+    z = F.one_hot(labels, 4).float()
+    z[5:10] = F.one_hot(torch.ones(5, dtype=torch.long), 4).float()  # samples 5-9 moved to label 1
+    isolated = torch.zeros(40, dtype=torch.bool)
+    isolated[:2] = True
+    plan = Plan(target=0, named_by="scan and cluster", distrust="target", readmit=True, check_cluster=True)
+    state = Rounds(plan, labels == 0, isolated, labels != 0, torch.arange(10, 40), torch.zeros(40, dtype=torch.bool),
+                   None)
+    state.select(z, torch.zeros(40), labels, fraction=1.0, balanced=True)
+    assert state.subset.tolist() == [2, 3, 4] + list(range(10, 40))
 
 
 def test_relabelled_moves_confident_samples_and_all_gives_every_distrusted_one_another_label():

@@ -206,6 +206,7 @@ class Plan:
     trigger: str = "optimised"  # the universal share carries "optimised" perturbations or the "estimated" trigger
     families: tuple[str, ...] | None = None  # kinds of the optimised families kept (None: every one)
     readmit: bool = False  # later rounds may take distrusted target samples the purified model still assigns to it
+    #                        (never those the isolation holds as poison)
     relabel: str = "none"  # distrusted samples in the next round: "moved" (those the purified model moved
     #                        confidently, with its label), "all" (every one, with its best other label), "none"
     check_cluster: bool = False  # a cluster confirmed in the named target waits: its trigger is tried after a round
@@ -240,8 +241,8 @@ def make_plan(*, given: int | None, verdict: Verdict | None, scan_label: int | N
     Where rules 1-4 name a target, its samples stay out of round 1; the universal share gets perturbations
     optimised toward it (only the family whose scan points there, where the scan's top label is the target); its
     samples the purified model moved join the next round with their new label, and those it still assigns to it
-    are readmitted unless the label is ``inflated`` by its poison. A cluster confirmed in that label is held back
-    as evidence (``Plan.switch_to_cluster``).
+    are readmitted unless the label is ``inflated`` by its poison, or the isolation holds them as poison. A cluster
+    confirmed in that label is held back as evidence (``Plan.switch_to_cluster``).
     """
     def named(target: int, by: str) -> Plan:
         return Plan(target=target, named_by=by, distrust="target",
@@ -505,24 +506,26 @@ def ground_truth(model: nn.Module, ev: Evaluation | None, suspicion: torch.Tenso
 
 @dataclass
 class Rounds:
-    """What one round hands the next: the plan (the check may switch it), the samples it distrusts and those a
-    subset may take, the next subset, every sample fine-tuned on so far, and the labels the rounds train with."""
+    """What one round hands the next: the plan (the check may switch it), the samples it distrusts, those the
+    isolation holds as poison, those a subset may take, the next subset, every sample fine-tuned on so far, and the
+    labels the rounds train with."""
 
     plan: Plan
     distrusted: torch.Tensor
+    isolated: torch.Tensor
     allowed: torch.Tensor
     subset: torch.Tensor
     trained: torch.Tensor
     train_view: ImageDataset
 
     @classmethod
-    def start(cls, plan: Plan, distrusted: torch.Tensor, data: ImageDataset, fraction: float,
+    def start(cls, plan: Plan, distrusted: torch.Tensor, isolated: torch.Tensor, data: ImageDataset, fraction: float,
               ctx: Context) -> "Rounds":
         """Round 1's subset: a random `fraction` of the training set, none of it distrusted."""
         allowed = ~distrusted if plan.distrust != "none" else torch.ones(len(data), dtype=torch.bool)
         pool, size = allowed.nonzero().flatten(), max(1, round(fraction * len(data)))
         subset = pool[torch.randperm(len(pool), generator=ctx.gen)[:size]].sort().values
-        return cls(plan, distrusted, allowed, subset, torch.zeros(len(data), dtype=torch.bool), data)
+        return cls(plan, distrusted, isolated, allowed, subset, torch.zeros(len(data), dtype=torch.bool), data)
 
     def check(self, model: nn.Module, iso: Isolation | None, data: ImageDataset, ctx: Context, row: dict) -> None:
         """A held-back cluster's trigger tried on the purified model: still working, the plan switches to it."""
@@ -537,9 +540,11 @@ class Rounds:
     def select(self, z: torch.Tensor, suspicion: torch.Tensor, labels: torch.Tensor, fraction: float,
                balanced: bool) -> None:
         """The next subset: the least suspicious `fraction` (of every label, `balanced`) of the allowed samples,
-        the distrusted target's samples the purified model still assigns to it readmitted where the plan says."""
+        the distrusted target's samples the purified model still assigns to it readmitted where the plan says, except
+        those the isolation holds as poison: a poison sample whose trigger still works is assigned to the target too,
+        and readmitting it with the target's label teaches the backdoor again."""
         if self.plan.distrust == "target" and self.plan.readmit:
-            self.allowed = (labels != self.plan.target) | (z.argmax(1) == self.plan.target)
+            self.allowed = ((labels != self.plan.target) | (z.argmax(1) == self.plan.target)) & ~self.isolated
         self.subset = least_suspicious(suspicion.masked_fill(~self.allowed, float("inf")), labels, fraction, balanced)
 
     def relabel(self, z: torch.Tensor, data: ImageDataset, row: dict) -> torch.Tensor | None:
@@ -614,7 +619,8 @@ class PBE(Defense):
         if s.targeted and plan.target is not None and plan.trigger == "optimised" and s.universal_reach > 0:
             families, report["universal_calibration"] = calibrate(original, data, plan.target, families, s, ctx)
         # 3. rounds: fine-tune -> measure -> check -> select -> relabel
-        state = Rounds.start(plan, distrusted, data, s.fractions[0], ctx)
+        isolated = iso.suspected.clone() if iso is not None else torch.zeros(len(data), dtype=torch.bool)
+        state = Rounds.start(plan, distrusted, isolated, data, s.fractions[0], ctx)
         report["tracker_before"] = track(original, plan, scan, iso, data, s, ctx, state.trained, before=True)
         for t in range(len(s.fractions)):
             state.trained[state.subset] = True
