@@ -11,9 +11,10 @@ threshold of 0.5. The tracker re-measures, on the model being purified, the evid
   target far easier to reach than any other label; once it is erased, the target is reached like the rest. The
   backdoor counts as still there while the z reaches `threshold` (PBE passes its weak-evidence threshold, the
   least z it acts on).
-- **trigger** (the isolation's path, where PBE fine-tunes against an estimated trigger): that trigger pasted on
-  held-out training images: the share it sends to the target (where one is named), or whose prediction it changes
-  (an all-to-all backdoor). Still there while that share reaches ``pbe.isolation.MIN_FOOLING``, the share at
+- **trigger** (where the isolation estimated the trigger: PBE fine-tunes against it, or holds its cluster back in
+  the named target): that trigger pasted on held-out training images: the share it sends to the target, an
+  estimate of the ASR, still there while it exceeds ``ERASED_REACH``; for an all-to-all backdoor (no target) the
+  share whose prediction it changes, still there while it reaches ``pbe.isolation.MIN_FOOLING``, the share at
   which the isolation confirmed the trigger.
 
 Neither reads the true trigger, target or poison; ``experiments/tracker_score.py`` scores their verdicts against
@@ -32,6 +33,12 @@ from pbe.detection import Detection, label_z, reached, scan_budget, scan_counts,
 from pbe.isolation import HELD_OUT, MIN_FOOLING, EstimatedTrigger
 from pbe.metrics import predict
 from pbe.utils import Cost
+
+
+# a named target's estimated trigger counts as erased once it sends at most this share of held-out images of other
+# labels there: the erasure goal's ASR, as the trigger's reach estimates the ASR (an estimate of the real trigger
+# reaches somewhat less: on the dev rows 9.4 % at 12.5 % ASR, 3.1 % at 11.7 %, 0 % at 0 %)
+ERASED_REACH = 0.03
 
 
 @dataclass(frozen=True)
@@ -90,4 +97,5 @@ def trigger_track(model: nn.Module, trigger: EstimatedTrigger, data: ImageDatase
     else:
         reach = float((moved == label).float().mean())
         cost.add(Cost(forward=len(held)))
-    return Track("trigger", label, round(reach, 4), None, reach >= MIN_FOOLING)
+    there = reach >= MIN_FOOLING if label is None else reach > ERASED_REACH
+    return Track("trigger", label, round(reach, 4), None, there)

@@ -707,3 +707,40 @@ def test_pbe_fine_tunes_on_plain_images_where_the_models_training_had_smaller_cr
     _, plain = erase(model, poisoned, replace(one, crop_padding=3), progress=False)
     assert kept["augmentation"]["fits"] and kept["schedule"]["crop_padding"] == 1
     assert not plain["augmentation"]["fits"] and plain["schedule"]["crop_padding"] == 0
+
+
+class _CornerReader(torch.nn.Module):
+    """Label 1 where the top-left pixel is lit, else label 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(10.0))
+
+    def forward(self, x):
+        v = x[:, 0, 0, 0] - 0.5
+        return torch.stack([-v, v, torch.zeros_like(v) - 1], 1) * self.scale
+
+
+class _LightCorners:
+    """A stand-in estimated trigger: lights the top-left pixel of the first `share` of every batch."""
+
+    def __init__(self, share):
+        self.share = share
+
+    def apply(self, x):
+        x = x.clone()
+        x[:round(self.share * len(x)), :, 0, 0] = 1.0
+        return x
+
+
+def test_the_trigger_tracker_reads_a_named_target_as_there_above_the_goals_asr():
+    from pbe.data import ImageDataset
+    from pbe.tracker import ERASED_REACH, trigger_track
+    from pbe.utils import Cost
+    images = torch.zeros(600, 1, 8, 8, dtype=torch.uint8)
+    data = ImageDataset(images, torch.tensor([0, 2]).repeat(300), ["0", "1", "2"], flip=False)
+    untrained = torch.zeros(600, dtype=torch.bool)
+    strong = trigger_track(_CornerReader(), _LightCorners(1.0), data, 1, untrained, 0, Cost())
+    faint = trigger_track(_CornerReader(), _LightCorners(ERASED_REACH / 2), data, 1, untrained, 0, Cost())
+    assert strong.reach == 1.0 and strong.there
+    assert 0 < faint.reach <= ERASED_REACH and not faint.there

@@ -396,12 +396,13 @@ def trigger_reach(model: nn.Module, trigger: EstimatedTrigger, data: ImageDatase
 def track(model: nn.Module, plan: Plan, scan: Detection | None, iso: Isolation | None, data: ImageDataset,
           s: Schedule, ctx: Context, trained: torch.Tensor, before: bool = False) -> dict | None:
     """The erasure tracker's reading (``pbe.tracker``) for `plan`: the estimated trigger's reach where the plan
-    fine-tunes against it, else the scan's statistic on the target (or on the scan's top label where nothing is
-    named); `before`: on the original model, from what the plan already measured. None without a scan (the
-    untargeted schedules)."""
+    fine-tunes against it or holds its cluster back in the target (the trigger's own reach estimates the ASR; the
+    scan's statistic, at the scan's small budget, reads "gone" while a larger trigger still works), else the scan's
+    statistic on the target (or on the scan's top label where nothing is named); `before`: on the original model,
+    from what the plan already measured where it can. None without a scan (the untargeted schedules)."""
     if scan is None:
         return None
-    if plan.trigger == "estimated" and iso is not None and iso.trigger is not None:
+    if (plan.trigger == "estimated" or plan.check_cluster) and iso is not None and iso.trigger is not None:
         return trigger_track(model, iso.trigger, data, plan.target, trained, ctx.seed, ctx.cost).as_dict()
     label = plan.target if plan.target is not None else scan.top_label
     family = "warp" if scan.evidence == "warp" and scan.top_label == label else "universal"
