@@ -19,6 +19,8 @@ A variant is levers joined by "+", each patching one step of ``pbe.defenses.pbe`
   count. Not safe elsewhere: ``experiments/hardest_target_samples.py`` counts the poison among them.
 - round1_one_epoch: round 1 fine-tunes 1 epoch instead of 4.
 - l2_half: the additive family at half the scan's budget, not calibrated (reach 0).
+- readmit_ranked: round 2 readmits the target's samples the purified model gives the highest target probability,
+  as many as the median label count (not only those it still assigns to the target), and never relabels them.
 Seed 0, 1 thread, the zoo's training set; the target is the scan's (no target given).
 """
 from __future__ import annotations
@@ -42,11 +44,11 @@ from pbe.utils import hardware_string, toolkit_version, write_json
 
 MODELS = ("cifar10/lenet_badnets_white5_t7", "cifar10/lenet_blend_t1_r5")
 LEVERS = ("augmented", "no_relabel", "logit_adjusted", "frozen_target_row", "no_universal_share",
-          "trust_hardest_half", "trust_hardest_all", "round1_one_epoch", "l2_half")
+          "trust_hardest_half", "trust_hardest_all", "round1_one_epoch", "l2_half", "readmit_ranked")
 VARIANTS = ("default", "augmented", "no_relabel+augmented", "logit_adjusted+augmented",
             "logit_adjusted+no_relabel+augmented", "frozen_target_row+augmented", "no_universal_share+augmented",
             "trust_hardest_half+augmented", "trust_hardest_all+augmented", "no_relabel", "logit_adjusted",
-            "logit_adjusted+no_relabel", "trust_hardest_all", "round1_one_epoch", "l2_half")
+            "logit_adjusted+no_relabel", "trust_hardest_all", "round1_one_epoch", "l2_half", "readmit_ranked")
 
 
 def schedule_of(levers: set[str]) -> D.Schedule:
@@ -106,9 +108,33 @@ def patched(levers: set[str], target: int):
                 mask[idx[loss.topk(min(k, len(idx))).indices]] = False
             return mask
         D.PBE._original_outputs, D.PBE._distrusted = staticmethod(outputs), staticmethod(distrusted)
+    real_select, real_relabel = D.Rounds.select, D.Rounds.relabel
+    if "readmit_ranked" in levers:
+        def select(self, z, suspicion, labels, fraction, balanced):
+            if self.plan.distrust == "target" and self.plan.readmit:
+                t = self.plan.target
+                idx = ((labels == t) & ~self.isolated).nonzero().flatten()
+                k = min(len(idx), round(D.typical_count(labels, t)))
+                ranked = idx[z[idx].softmax(1)[:, t].topk(k).indices]
+                self.allowed = labels != t
+                self.allowed[ranked] = True
+                self.subset = D.least_suspicious(suspicion.masked_fill(~self.allowed, float("inf")), labels, fraction,
+                                                 balanced)
+                return
+            real_select(self, z, suspicion, labels, fraction, balanced)
+
+        def relabel(self, z, data, row):
+            kept = self.distrusted
+            self.distrusted = kept & ~self.allowed  # readmitted samples keep their label
+            try:
+                return real_relabel(self, z, data, row)
+            finally:
+                self.distrusted = kept
+        D.Rounds.select, D.Rounds.relabel = select, relabel
     try:
         yield
     finally:
+        D.Rounds.select, D.Rounds.relabel = real_select, real_relabel
         D.make_plan, D.sgd_finetune, D.augmentation_check = real[:3]
         D.PBE._original_outputs, D.PBE._distrusted = staticmethod(real[3]), staticmethod(real[4])
 
