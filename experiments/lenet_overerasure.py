@@ -21,7 +21,8 @@ A variant is levers joined by "+", each patching one step of ``pbe.defenses.pbe`
 - l2_half: the additive family at half the scan's budget, not calibrated (reach 0).
 - readmit_ranked: round 2 readmits the target's samples the purified model gives the highest target probability,
   as many as the median label count (not only those it still assigns to the target), and never relabels them.
-Seed 0, 1 thread, the zoo's training set; the target is the scan's (no target given).
+Seed 0, 1 thread, the zoo's training set; the target is the scan's (no target given). A lever that helps the LeNets
+is also run on other dev models (``--only``) before it can become the default.
 """
 from __future__ import annotations
 
@@ -165,7 +166,7 @@ def run(name: str, variant: str) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["# Where PBE's default loses accuracy on the dev LeNets", "",
+    lines = ["# Where PBE's default loses accuracy on the dev LeNets, and levers tried (also on other dev models)", "",
              "Regenerate: `python experiments/lenet_overerasure.py` (seed 0; see its docstring for the variants). "
              "Values in %. *Target recall*: the target class's test accuracy; *relabelled*: distrusted target samples "
              "moved into round 2 with another label (of which poison).", "",
