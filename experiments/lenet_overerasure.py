@@ -7,7 +7,7 @@ fine-tunes a model trained without augmentation on plain images); the rows say w
 A variant is levers joined by "+", each patching one step of ``pbe.defenses.pbe`` for the run:
 - default: the shipped default.
 - augmented: fine-tune with random crops and flips although the model was not trained with them (the check
-  ``pbe.defenses.base.augmentation_check`` overruled).
+  ``pbe.defenses.base.fitting_augmentation`` overruled).
 - no_relabel: distrusted target samples the purified model moved are not relabelled into round 2.
 - logit_adjusted: the clean share of every batch is trained with the fine-tuning subset's log label prior added to
   the logits (Menon et al., ICLR 2021), so that a label left out of the subset (the distrusted target) is not
@@ -67,9 +67,9 @@ def schedule_of(levers: set[str]) -> D.Schedule:
 @contextlib.contextmanager
 def patched(levers: set[str], target: int):
     """The levers' changes to ``pbe.defenses.pbe`` for the duration of one run."""
-    real = (D.make_plan, D.sgd_finetune, D.augmentation_check, D.PBE._original_outputs, D.PBE._distrusted)
-    if "augmented" in levers:
-        D.augmentation_check = lambda *a, **k: {**real[2](*a, **k), "fits": True}
+    real = (D.make_plan, D.sgd_finetune, D.fitting_augmentation, D.PBE._original_outputs, D.PBE._distrusted)
+    if "augmented" in levers:  # (model, data, crop_padding, ctx): the schedule's augmentation, whatever the check says
+        D.fitting_augmentation = lambda *a, **k: {**real[2](*a, **k), "crop_padding": a[2], "flip": a[1].flip}
     if "no_relabel" in levers:
         D.make_plan = lambda **kw: replace(real[0](**kw), relabel="none")
     if "logit_adjusted" in levers:
@@ -136,7 +136,7 @@ def patched(levers: set[str], target: int):
         yield
     finally:
         D.Rounds.select, D.Rounds.relabel = real_select, real_relabel
-        D.make_plan, D.sgd_finetune, D.augmentation_check = real[:3]
+        D.make_plan, D.sgd_finetune, D.fitting_augmentation = real[:3]
         D.PBE._original_outputs, D.PBE._distrusted = staticmethod(real[3]), staticmethod(real[4])
 
 

@@ -683,9 +683,9 @@ class _MeanReader(torch.nn.Module):
         return torch.stack([-v, v], 1) * self.scale
 
 
-def test_augmentation_check_tells_a_model_fitted_to_the_plain_images_from_an_invariant_one():
+def test_the_fitting_augmentation_is_the_strongest_the_model_keeps_its_accuracy_under():
     from pbe.data import ImageDataset
-    from pbe.defenses.base import Context, augmentation_check
+    from pbe.defenses.base import Context, fitting_augmentation
     gen = torch.Generator().manual_seed(0)
     pixel = torch.randint(0, 256, (400, 1, 12, 12), generator=gen, dtype=torch.uint8)
     by_pixel = ImageDataset(pixel, (pixel[:, 0, 2, 2] >= 128).long(), ["0", "1"], flip=True)
@@ -693,20 +693,22 @@ def test_augmentation_check_tells_a_model_fitted_to_the_plain_images_from_an_inv
     flat = (level * 150 + 50)[:, None, None, None].expand(400, 1, 12, 12).to(torch.uint8).contiguous()
     by_mean = ImageDataset(flat, level, ["0", "1"], flip=True)
     ctx = Context(device=torch.device("cpu"), gen=torch.Generator().manual_seed(0), seed=0, progress=False)
-    memorised = augmentation_check(_PixelReader(), by_pixel, 2, ctx)
-    invariant = augmentation_check(_MeanReader(), by_mean, 2, ctx)
-    assert memorised["plain"] == 1.0 and memorised["augmented"] < 0.8 and not memorised["fits"]
-    assert invariant["plain"] == 1.0 and invariant["fits"]
-    assert augmentation_check(_PixelReader(), replace(by_pixel, flip=False), 0, ctx)["fits"]  # nothing to check
+    memorised = fitting_augmentation(_PixelReader(), by_pixel, 2, ctx)
+    invariant = fitting_augmentation(_MeanReader(), by_mean, 2, ctx)
+    assert memorised["plain"] == 1.0 and set(memorised["augmented"]) == {2, 1}
+    assert max(memorised["augmented"].values()) < 0.8 and (memorised["crop_padding"], memorised["flip"]) == (0, False)
+    assert invariant["plain"] == 1.0 and (invariant["crop_padding"], invariant["flip"]) == (2, True)
+    nothing = fitting_augmentation(_PixelReader(), replace(by_pixel, flip=False), 0, ctx)
+    assert nothing["augmented"] == {} and nothing["crop_padding"] == 0
 
 
-def test_pbe_fine_tunes_on_plain_images_where_the_models_training_had_smaller_crops(blend_model):
+def test_pbe_fine_tunes_with_the_crops_the_model_was_trained_with_at_most(blend_model):
     model, _, poisoned = blend_model  # trained with 1-pixel crops
     one = digits_default(fractions=(0.05,), epochs=(1,), adv_batches=(None,))
     _, kept = erase(model, poisoned, one, progress=False)
-    _, plain = erase(model, poisoned, replace(one, crop_padding=3), progress=False)
-    assert kept["augmentation"]["fits"] and kept["schedule"]["crop_padding"] == 1
-    assert not plain["augmentation"]["fits"] and plain["schedule"]["crop_padding"] == 0
+    _, smaller = erase(model, poisoned, replace(one, crop_padding=3), progress=False)
+    assert kept["augmentation"]["crop_padding"] == 1 and kept["schedule"]["crop_padding"] == 1
+    assert set(smaller["augmentation"]["augmented"]) == {3, 1} and smaller["schedule"]["crop_padding"] == 1
 
 
 class _CornerReader(torch.nn.Module):

@@ -122,7 +122,7 @@ def test_pbe_lr_overrides_the_schedule_and_changes_the_result(badnets_model, cle
     fast = _run("pbe", badnets_model, clean_extra, digits, lr=1e-2).report
     assert default["schedule"]["lr"] == SCHEDULES[DEFAULT_SCHEDULE].lr != 1e-2
     assert fast["schedule"]["lr"] == 1e-2 and fast["params"]["lr"] == 1e-2
-    assert fast["after"] != default["after"]
+    assert fast["scores"] != default["scores"]  # every sample's output change, finer than the test-set metrics
 
 
 @pytest.mark.parametrize("name", ["ft", "fp", "nad"])

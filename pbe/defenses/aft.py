@@ -19,8 +19,8 @@ and no relabelling there: every sample is clean, the target's own images include
    (``pbe.tracker``: the scan's statistic re-measured on the target). It stops once the tracker has read "gone"
    `stop_after` checks in a row, and says so; else after `epochs`.
 
-Like PBE, it fine-tunes on the plain images where random crops and flips cost the model accuracy on its own data
-(a model trained without them: ``pbe.defenses.base.augmentation_check``).
+Like PBE, it fine-tunes with the strongest augmentation, up to its random crops and flips, that the model keeps its
+accuracy under (``pbe.defenses.base.fitting_augmentation``): the plain images for a model trained without them.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import torch.nn as nn
 from pbe.activations import probe_indices
 from pbe.adversarial import PAPER_PGD, PGDConfig
 from pbe.data import ImageDataset
-from pbe.defenses.base import Context, Defense, Evaluation, augmentation_check, measure
+from pbe.defenses.base import Context, Defense, Evaluation, fitting_augmentation, measure
 from pbe.defenses.pbe import (ACC_DROP_WARNING, SCAN_FAMILIES, Plan, Schedule, adversarial_finetune, calibrate,
                               run_monitor, scan_target, target_scan, track)
 from pbe.metrics import predict
@@ -125,9 +125,9 @@ class AFT(Defense):
                            f"got {len(data)}")
         s = Schedule(lr=p["lr"], lr_schedule="constant", batch_size=p["batch_size"], crop_padding=p["crop_padding"])
         original = copy.deepcopy(model).eval()
-        augmentation = augmentation_check(original, data, s.crop_padding, ctx)
-        if not augmentation["fits"]:  # fine-tune on the plain images the model was trained on
-            s, data = replace(s, crop_padding=0), replace(data, flip=False)
+        augmentation = fitting_augmentation(original, data, s.crop_padding, ctx)
+        if (augmentation["crop_padding"], augmentation["flip"]) != (s.crop_padding, data.flip):
+            s, data = replace(s, crop_padding=augmentation["crop_padding"]), replace(data, flip=augmentation["flip"])
         # 1. split
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(ctx.seed))
         n_check = max(data.num_classes, round(p["check_fraction"] * len(data)))

@@ -433,28 +433,37 @@ def sgd_finetune(model: nn.Module, data: ImageDataset, ctx: Context, *, epochs: 
 # zoo's augmented models lose at most 4 points. One trained without them memorised the plain images and loses far
 # more (the dev LeNets: 43-51 points; experiments/results/lenet_overerasure.md). Fine-tuning such a model on
 # augmented images moves it to inputs it never fitted and costs clean accuracy on every label, so past this loss
-# the fine-tuning stays on the plain images, the input distribution the model was trained on.
+# the fine-tuning takes smaller crops, or the plain images: the input distribution the model was trained on.
 AUGMENTATION_LOSS_LIMIT = 0.15
 AUGMENTATION_PROBE = 512  # training samples the check classifies augmented
 
 
-def augmentation_check(model: nn.Module, data: ImageDataset, crop_padding: int, ctx: Context,
-                       plain_logits: torch.Tensor | None = None) -> dict:
-    """Does `model` keep its accuracy on `data` under the fine-tuning's augmentation? On AUGMENTATION_PROBE
-    samples (drawn with their own generator, so that the run's draws do not change): accuracy plain (from
-    `plain_logits`, the model's logits on all of `data`, where given) and augmented; ``fits`` is False where
-    augmenting costs more than AUGMENTATION_LOSS_LIMIT. Without augmentation to check, it fits."""
+def fitting_augmentation(model: nn.Module, data: ImageDataset, crop_padding: int, ctx: Context,
+                         plain_logits: torch.Tensor | None = None) -> dict:
+    """The strongest augmentation up to the fine-tuning's that `model` keeps its accuracy on `data` under. On
+    AUGMENTATION_PROBE samples (drawn with their own generator, so that the run's draws do not change): the accuracy
+    plain (from `plain_logits`, the model's logits on all of `data`, where given) and under random crops of
+    `crop_padding` pixels (with flips where `data` allows them), then of half as many, down to 1 (flips alone where
+    `crop_padding` is 0); the first whose accuracy loss is at most AUGMENTATION_LOSS_LIMIT is used, else none.
+    Returns ``{"plain", "augmented" (padding tried -> accuracy), "crop_padding", "flip"}``: what to fine-tune with."""
     if crop_padding <= 0 and not data.flip:
-        return {"plain": None, "augmented": None, "fits": True}
+        return {"plain": None, "augmented": {}, "crop_padding": 0, "flip": False}
     gen = torch.Generator().manual_seed(ctx.seed)
     idx = torch.randperm(len(data), generator=gen)[:AUGMENTATION_PROBE]
     x, y = data.images[idx].float().div_(255), data.labels[idx]
     plain = plain_logits[idx].argmax(1) if plain_logits is not None else predict(model, x)
-    augmented = predict(model, augment(x, crop_padding, data.flip, gen))
-    ctx.cost.forward += len(idx) * (1 if plain_logits is not None else 2)
-    acc_plain, acc_aug = float((plain == y).float().mean()), float((augmented == y).float().mean())
-    return {"plain": round(acc_plain, 4), "augmented": round(acc_aug, 4),
-            "fits": acc_plain - acc_aug <= AUGMENTATION_LOSS_LIMIT}
+    ctx.cost.forward += 0 if plain_logits is not None else len(idx)
+    acc_plain, tried, padding = float((plain == y).float().mean()), {}, crop_padding
+    while True:
+        tried[padding] = float((predict(model, augment(x, padding, data.flip, gen)) == y).float().mean())
+        ctx.cost.forward += len(idx)
+        if acc_plain - tried[padding] <= AUGMENTATION_LOSS_LIMIT:
+            return {"plain": round(acc_plain, 4), "augmented": {p: round(a, 4) for p, a in tried.items()},
+                    "crop_padding": padding, "flip": data.flip}
+        if padding <= 1:
+            return {"plain": round(acc_plain, 4), "augmented": {p: round(a, 4) for p, a in tried.items()},
+                    "crop_padding": 0, "flip": False}
+        padding //= 2
 
 
 def fresh_copy(model: nn.Module, seed: int) -> nn.Module:

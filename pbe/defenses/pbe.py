@@ -22,8 +22,9 @@ adversarial share of every batch at the target that a trigger-free scan names. `
    moved) -> *check* (a cluster held back as evidence: does its trigger still work?) -> *select* (the least
    suspicious share of every label) -> *relabel* (distrusted samples the purified model moved).
 
-Every fine-tuning step runs on the plain images where random crops and flips cost the infected model accuracy on its
-own training samples, i.e. where it was trained without them (``pbe.defenses.base.augmentation_check``).
+Every fine-tuning step uses the strongest augmentation, up to the schedule's random crops and flips, that the infected
+model keeps its accuracy on its own training samples under (``pbe.defenses.base.fitting_augmentation``): a model
+trained without augmentation is fine-tuned on the plain images.
 ``schedule="paper"`` is the authors' method. The trigger, the target and the poison indices are never used, except
 by the optional ``Evaluation``, which measures the report in one place (``ground_truth``).
 """
@@ -43,7 +44,7 @@ from pbe.adversarial import (MONITOR_PGD, PAPER_EPS, PAPER_PGD, PGDConfig, Unive
 from pbe.data import ImageDataset
 from pbe.detection import (SCAN_BUDGETS, SCAN_L2_RMS, WARP_GRID, WARP_SHIFT, Detection, ScanBudget, Verdict,
                            decide, detect)
-from pbe.defenses.base import Context, Defense, Evaluation, augmentation_check, measure, sgd_finetune
+from pbe.defenses.base import Context, Defense, Evaluation, fitting_augmentation, measure, sgd_finetune
 from pbe.isolation import HELD_OUT, MIN_FOOLING, EstimatedTrigger, Isolation, isolate
 from pbe.metrics import predict, ranking_quality
 from pbe.models import has_linear_head, penultimate
@@ -605,9 +606,9 @@ class PBE(Defense):
             raise PBEError(f"pbe: target {given} is not a label of the data ({data.num_classes} classes)")
         original = copy.deepcopy(model).eval()
         feats, z0 = self._original_outputs(original, data, s, ctx)
-        augmentation = augmentation_check(original, data, s.crop_padding, ctx, plain_logits=z0)
-        if not augmentation["fits"]:  # fine-tune on the plain images the model was trained on
-            s, data = replace(s, crop_padding=0), replace(data, flip=False)
+        augmentation = fitting_augmentation(original, data, s.crop_padding, ctx, plain_logits=z0)
+        if (augmentation["crop_padding"], augmentation["flip"]) != (s.crop_padding, data.flip):
+            s, data = replace(s, crop_padding=augmentation["crop_padding"]), replace(data, flip=augmentation["flip"])
         probe = probe_indices(data.labels, s.probe_size, ctx.seed)
         before = run_monitor(model, data, probe, s, ctx).as_dict()
         report = {"schedule": s.as_dict(), "augmentation": augmentation, "probe_indices": probe.tolist(),
