@@ -659,24 +659,24 @@ def test_pbe_warns_when_it_found_nothing_to_aim_at_or_estimates_a_large_drop(cle
         assert report["warnings"] == said == warn_on(report)
 
 
-class _PixelReader(torch.nn.Module):
-    """Logits from one pixel's value: exact on the plain images, chance once they are shifted."""
+class _Reader(torch.nn.Module):
+    """A hand-made model of one parameter (the toolkit reads a model's device from its parameters)."""
 
     def __init__(self):
         super().__init__()
         self.scale = torch.nn.Parameter(torch.tensor(10.0))
+
+
+class _PixelReader(_Reader):
+    """Logits from one pixel's value: exact on the plain images, chance once they are shifted."""
 
     def forward(self, x):
         v = x[:, 0, 2, 2] - 0.5
         return torch.stack([-v, v], 1) * self.scale
 
 
-class _MeanReader(torch.nn.Module):
+class _MeanReader(_Reader):
     """Logits from the image's mean brightness: crops and flips keep it."""
-
-    def __init__(self):
-        super().__init__()
-        self.scale = torch.nn.Parameter(torch.tensor(10.0))
 
     def forward(self, x):
         v = x.mean((1, 2, 3)) - 0.5
@@ -711,12 +711,8 @@ def test_pbe_fine_tunes_with_the_crops_the_model_was_trained_with_at_most(blend_
     assert set(smaller["augmentation"]["augmented"]) == {3, 1} and smaller["schedule"]["crop_padding"] == 1
 
 
-class _CornerReader(torch.nn.Module):
+class _CornerReader(_Reader):
     """Label 1 where the top-left pixel is lit, else label 0."""
-
-    def __init__(self):
-        super().__init__()
-        self.scale = torch.nn.Parameter(torch.tensor(10.0))
 
     def forward(self, x):
         v = x[:, 0, 0, 0] - 0.5
