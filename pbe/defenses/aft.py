@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -34,9 +33,9 @@ import torch.nn as nn
 from pbe.activations import probe_indices
 from pbe.adversarial import PAPER_PGD, PGDConfig
 from pbe.data import ImageDataset
-from pbe.defenses.base import Context, Defense, Evaluation, fitting_augmentation, measure
+from pbe.defenses.base import Context, Defense, Evaluation, measure
 from pbe.defenses.pbe import (ACC_DROP_WARNING, SCAN_FAMILIES, Plan, Schedule, adversarial_finetune, calibrate,
-                              run_monitor, scan_target, target_scan, track)
+                              run_monitor, scan_target, target_scan, track, with_fitting_augmentation)
 from pbe.metrics import predict
 from pbe.utils import Cost, PBEError, PBEWarning
 
@@ -125,9 +124,7 @@ class AFT(Defense):
                            f"got {len(data)}")
         s = Schedule(lr=p["lr"], lr_schedule="constant", batch_size=p["batch_size"], crop_padding=p["crop_padding"])
         original = copy.deepcopy(model).eval()
-        augmentation = fitting_augmentation(original, data, s.crop_padding, ctx)
-        if (augmentation["crop_padding"], augmentation["flip"]) != (s.crop_padding, data.flip):
-            s, data = replace(s, crop_padding=augmentation["crop_padding"]), replace(data, flip=augmentation["flip"])
+        s, data, augmentation = with_fitting_augmentation(original, data, s, ctx)
         # 1. split
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(ctx.seed))
         n_check = max(data.num_classes, round(p["check_fraction"] * len(data)))

@@ -453,17 +453,17 @@ def fitting_augmentation(model: nn.Module, data: ImageDataset, crop_padding: int
     x, y = data.images[idx].float().div_(255), data.labels[idx]
     plain = plain_logits[idx].argmax(1) if plain_logits is not None else predict(model, x)
     ctx.cost.forward += 0 if plain_logits is not None else len(idx)
-    acc_plain, tried, padding = float((plain == y).float().mean()), {}, crop_padding
-    while True:
+    acc_plain, tried, padding, chosen = float((plain == y).float().mean()), {}, crop_padding, None
+    while chosen is None:
         tried[padding] = float((predict(model, augment(x, padding, data.flip, gen)) == y).float().mean())
         ctx.cost.forward += len(idx)
         if acc_plain - tried[padding] <= AUGMENTATION_LOSS_LIMIT:
-            return {"plain": round(acc_plain, 4), "augmented": {p: round(a, 4) for p, a in tried.items()},
-                    "crop_padding": padding, "flip": data.flip}
-        if padding <= 1:
-            return {"plain": round(acc_plain, 4), "augmented": {p: round(a, 4) for p, a in tried.items()},
-                    "crop_padding": 0, "flip": False}
+            chosen = (padding, data.flip)
+        elif padding <= 1:
+            chosen = (0, False)
         padding //= 2
+    return {"plain": round(acc_plain, 4), "augmented": {p: round(a, 4) for p, a in tried.items()},
+            "crop_padding": chosen[0], "flip": chosen[1]}
 
 
 def fresh_copy(model: nn.Module, seed: int) -> nn.Module:

@@ -356,6 +356,16 @@ class AdversarialBatches:
         return x
 
 
+def with_fitting_augmentation(model: nn.Module, data: ImageDataset, s: Schedule, ctx: Context,
+                              plain_logits: torch.Tensor | None = None) -> tuple[Schedule, ImageDataset, dict]:
+    """`s` and `data` with the crops and flips ``fitting_augmentation`` finds `model` keeps its accuracy under, and
+    its finding (for the report)."""
+    found = fitting_augmentation(model, data, s.crop_padding, ctx, plain_logits=plain_logits)
+    if (found["crop_padding"], found["flip"]) != (s.crop_padding, data.flip):
+        s, data = replace(s, crop_padding=found["crop_padding"]), replace(data, flip=found["flip"])
+    return s, data, found
+
+
 def adversarial_finetune(model: nn.Module, data: ImageDataset, s: Schedule, ctx: Context, *, epochs: int,
                          adv_batches: int | None, desc: str, families: tuple[UniversalConfig, ...] = (),
                          target: int | None = None, trigger: EstimatedTrigger | None = None) -> None:
@@ -606,9 +616,7 @@ class PBE(Defense):
             raise PBEError(f"pbe: target {given} is not a label of the data ({data.num_classes} classes)")
         original = copy.deepcopy(model).eval()
         feats, z0 = self._original_outputs(original, data, s, ctx)
-        augmentation = fitting_augmentation(original, data, s.crop_padding, ctx, plain_logits=z0)
-        if (augmentation["crop_padding"], augmentation["flip"]) != (s.crop_padding, data.flip):
-            s, data = replace(s, crop_padding=augmentation["crop_padding"]), replace(data, flip=augmentation["flip"])
+        s, data, augmentation = with_fitting_augmentation(original, data, s, ctx, plain_logits=z0)
         probe = probe_indices(data.labels, s.probe_size, ctx.seed)
         before = run_monitor(model, data, probe, s, ctx).as_dict()
         report = {"schedule": s.as_dict(), "augmentation": augmentation, "probe_indices": probe.tolist(),
