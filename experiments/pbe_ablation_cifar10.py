@@ -17,6 +17,7 @@ from common import RESULTS, built_zoo_models, zoo_cell
 from grid import Cell, execute, median_cost, script_main
 
 from pbe import zoo
+from pbe.adversarial import UniversalConfig
 from pbe.defenses import SCHEDULES, Evaluation, erase
 from pbe.detection import SCAN_BUDGETS
 from pbe.results import ResultsTable, fixed, pct
@@ -57,6 +58,11 @@ VARIANTS = {
     "no_calibration": ("the default with the universal budget kept at the scan's (universal_reach 0: no doubling "
                        "until it reaches 80 % of held-out images)", replace(DEFAULT, universal_reach=0.0)),
     "lr3e-4": ("the default at lr 3e-4 (1e-3)", replace(DEFAULT, lr=3e-4)),
+    "mask_family": ("the default plus a third universal family, a mask (Neural Cleanse's (1 - m) x + m p) over 1 % "
+                    "of the pixels, optimised toward the target like the others and calibrated the same way (the "
+                    "scan's universal evidence keeps it beside the L2 family): a localised, patch-like trigger "
+                    "that an L2 budget spreads too thin to imitate",
+                    replace(DEFAULT, families=DEFAULT.families + (UniversalConfig(kind="mask", eps=0.01),))),
 }
 
 

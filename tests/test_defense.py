@@ -183,10 +183,21 @@ def test_aft_targeted_checks_its_work_on_held_out_clean_images(blend_model, digi
     assert report["target"] == attack.target and report["check_size"] == round(0.2 * len(clean))
     assert set(seen) == {len(clean) - report["check_size"]}  # fine-tuned on the rest only
     assert [c["epochs"] for c in report["check"]] == list(range(2, 2 * len(report["check"]) + 1, 2))
-    assert all({"tracker", "check_acc", "check_acc_drop"} <= set(c) for c in report["check"])
+    assert all({"tracker", "check_acc", "check_acc_drop", "passes"} <= set(c) for c in report["check"])
+    spent = [c["passes"]["forward_backward"] for c in report["check"]]
+    assert spent == sorted(spent) and spent[0] > 0  # the cost so far, at every check
     assert report["after"]["asr"] < report["before"]["asr"] - 0.3
     with pytest.raises(PBEError, match="target"):
         aft(model, clean, schedule="paper", target=0)
+
+
+def test_aft_epochs_fewer_than_the_paper_adv_epochs():
+    """adv_epochs is the paper schedule's: the targeted default takes any epochs >= 1; the paper schedule refuses
+    more adversarial epochs than epochs, naming both."""
+    from pbe.defenses.aft import AFT
+    assert AFT(epochs=2).params["epochs"] == 2
+    with pytest.raises(PBEError, match="adv_epochs"):
+        AFT(schedule="paper", epochs=2)
 
 
 def test_the_default_removes_a_tiny_backdoor(blend_model, digits):

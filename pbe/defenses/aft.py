@@ -49,7 +49,7 @@ class AFT(Defense):
     Arguments:
         schedule (str): "targeted" (default: the module docstring's steps) or "paper" (the authors' recipe).
         epochs (int): at most this many epochs on the clean set (default 20, the authors').
-        adv_epochs (int): "paper" only: how many of them, first, are on PGD examples (default 3).
+        adv_epochs (int): "paper" only: how many of them, first, are on PGD examples, at most `epochs` (default 3).
         lr (float): SGD learning rate, constant (default 1e-3, the authors').
         pgd (PGDConfig | None): "paper" only: the PGD budget (default None: PGD-7 at 6/255, step eps/5).
         batch_size (int): default 128; crop_padding (int): random-crop padding, default 4.
@@ -73,9 +73,8 @@ class AFT(Defense):
                  check_fraction: float = 0.2, check_every: int = 2, stop_after: int = 2, target: int | None = None):
         if schedule not in AFT_SCHEDULES:
             raise PBEError(f"aft: schedule must be one of {AFT_SCHEDULES}, got {schedule!r}")
-        if not (isinstance(epochs, int) and epochs >= 1 and isinstance(adv_epochs, int) and 0 <= adv_epochs <= epochs):
-            raise PBEError(f"aft: epochs must be an int >= 1 and adv_epochs an int in [0, epochs], got {epochs}, "
-                           f"{adv_epochs}")
+        if schedule == "paper" and isinstance(epochs, int) and isinstance(adv_epochs, int) and adv_epochs > epochs:
+            raise PBEError(f"aft: the paper schedule's adv_epochs ({adv_epochs}) cannot exceed its epochs ({epochs})")
         if not (isinstance(lr, (int, float)) and lr > 0):
             raise PBEError(f"aft: lr must be a positive number, got {lr!r}")
         if not (isinstance(batch_size, int) and batch_size >= 1
@@ -154,6 +153,8 @@ class AFT(Defense):
             acc = held_out_accuracy(model, check, ctx)
             report["check"].append({"epochs": done, "tracker": reading, "check_acc": round(acc, 4),
                                     "check_acc_drop": round(acc_before - acc, 4),
+                                    "passes": {"forward_backward": ctx.cost.forward_backward,
+                                               "forward": ctx.cost.forward},
                                     "metrics": measure(model, ctx.evaluation)})
             if report["tracker_before"]["there"] and gone >= p["stop_after"]:
                 report["stopped"] = f"the tracker read the backdoor gone {gone} checks in a row after {done} epochs"

@@ -55,7 +55,7 @@ LR_SCHEDULES = ("constant", "cosine")
 # the default's universal families: additive (L2, the scan's budget per pixel) and a smooth warp
 FAMILIES = (UniversalConfig(kind="l2", eps=SCAN_L2_RMS, per_pixel=True),
             UniversalConfig(kind="warp", eps=WARP_SHIFT, size=WARP_GRID, per_pixel=True))
-SCAN_FAMILIES = {"universal": ("l2", "linf", "patch"), "warp": ("warp",)}  # the scan's evidence -> family kinds
+SCAN_FAMILIES = {"universal": ("l2", "linf", "patch", "mask"), "warp": ("warp",)}  # scan evidence -> family kinds
 
 
 @dataclass(frozen=True)
