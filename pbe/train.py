@@ -26,6 +26,7 @@ from pbe.checkpoint import load_state, save_state
 from pbe.utils import PBEError, atomic_path, json_safe, resolve_device, seed_everything, use_all_cpus
 
 
+MEMORY_FORMAT = torch.channels_last  # 20-40 % faster for conv nets on a CPU
 LR_SCHEDULES = ("onecycle", "cosine", "constant")
 
 
@@ -197,8 +198,7 @@ def train(model: nn.Module, train_set: ImageDataset, test_set: ImageDataset | No
     if dev.type == "cpu":
         use_all_cpus()
     gen = seed_everything(seed)
-    fmt = torch.channels_last
-    model.to(dev).to(memory_format=fmt)
+    model.to(dev).to(memory_format=MEMORY_FORMAT)
     opt = make_optimizer(model, recipe)
     steps_per_epoch = math.ceil(len(train_set) / recipe.batch_size)
     total = recipe.epochs * steps_per_epoch
@@ -216,35 +216,9 @@ def train(model: nn.Module, train_set: ImageDataset, test_set: ImageDataset | No
             start -= elapsed
     bar = tqdm(total=total, initial=step, disable=not progress, desc="train", unit="batch", leave=False)
     for epoch in range(first, recipe.epochs):
-        model.train()
-        loss_sum = torch.zeros((), device=dev)  # summed on the device: no sync per batch
-        correct = torch.zeros((), dtype=torch.long, device=dev)
-        seen = 0
-        for idx in batches(len(train_set), recipe.batch_size, gen):
-            x = train_set.images[idx].to(dev, non_blocking=True).float().div_(255)
-            y = train_set.labels[idx].to(dev, non_blocking=True)
-            x = augment(x, recipe.crop_padding, train_set.flip and recipe.flip, gen)
-            extra = None
-            if hook is not None:
-                x, y, extra = hook.before_step(x, y)
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, total, recipe)
-            logits = model(x.contiguous(memory_format=fmt))
-            loss = F.cross_entropy(logits, y, label_smoothing=recipe.label_smoothing)
-            if extra is not None:
-                loss = loss + extra
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if hook is not None:
-                hook.after_step()
-            step += 1
-            loss_sum += loss.detach() * len(y)
-            correct += (logits.argmax(1) == y).sum()
-            seen += len(y)
-            bar.update(1)
-        row = {"epoch": epoch + 1, "train_loss": float(loss_sum) / seen, "train_acc": int(correct) / seen,
-               "lr": lr_at(step - 1, total, recipe), "elapsed_s": round(time.time() - start, 1)}
+        loss, acc, step = _train_epoch(model, opt, train_set, recipe, gen, dev, hook, step, total, bar)
+        row = {"epoch": epoch + 1, "train_loss": loss, "train_acc": acc, "lr": lr_at(step - 1, total, recipe),
+               "elapsed_s": round(time.time() - start, 1)}
         if test_set is not None:
             last = epoch == recipe.epochs - 1
             sub = slice(None) if last else eval_idx
@@ -262,6 +236,39 @@ def train(model: nn.Module, train_set: ImageDataset, test_set: ImageDataset | No
     bar.close()
     model.eval()
     return history
+
+
+def _train_epoch(model: nn.Module, opt, train_set: ImageDataset, recipe: Recipe, gen: torch.Generator, dev,
+                 hook: TrainHook | None, step: int, total: int, bar) -> tuple[float, float, int]:
+    """One epoch of `train`'s loop over augmented batches: (mean loss, accuracy on the batches, the step after)."""
+    model.train()
+    loss_sum = torch.zeros((), device=dev)  # summed on the device: no sync per batch
+    correct = torch.zeros((), dtype=torch.long, device=dev)
+    seen = 0
+    for idx in batches(len(train_set), recipe.batch_size, gen):
+        x = train_set.images[idx].to(dev, non_blocking=True).float().div_(255)
+        y = train_set.labels[idx].to(dev, non_blocking=True)
+        x = augment(x, recipe.crop_padding, train_set.flip and recipe.flip, gen)
+        extra = None
+        if hook is not None:
+            x, y, extra = hook.before_step(x, y)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total, recipe)
+        logits = model(x.contiguous(memory_format=MEMORY_FORMAT))
+        loss = F.cross_entropy(logits, y, label_smoothing=recipe.label_smoothing)
+        if extra is not None:
+            loss = loss + extra
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if hook is not None:
+            hook.after_step()
+        step += 1
+        loss_sum += loss.detach() * len(y)
+        correct += (logits.argmax(1) == y).sum()
+        seen += len(y)
+        bar.update(1)
+    return float(loss_sum) / seen, int(correct) / seen, step
 
 
 def _state_run(recipe: Recipe, seed: int, train_set: ImageDataset) -> dict:

@@ -241,7 +241,9 @@ def build(name: str, data_root: str | Path | None = None, runs: str | Path = "ru
     print("$", shlex.join(cmd), flush=True)
     proc = subprocess.run([sys.executable, "-m", "pbe.cli", *cmd[1:]], cwd=Path.cwd())
     if proc.returncode != 0:
-        raise PBEError(f"training {name!r} failed (exit {proc.returncode}); rerun `pbe zoo build {name}` to resume")
+        raise PBEError(f"training {name!r} failed (exit {proc.returncode}); rerun `pbe zoo build {name}` to resume "
+                       f"(a run interrupted under other code cannot resume: its error above names the folder to "
+                       f"remove first)")
     metrics = json.loads((out / "metrics.json").read_text())
     new = _zoo_row(entry, out, metrics)
     if previous is not None:
