@@ -147,27 +147,33 @@ def defence_bars(rows: list[dict], series, model=_default_model, means: list[dic
     ax = None
     if means:
         ax = fig.add_subplot(grid[:, 1])
-        markers = dict(zip(dict.fromkeys(m["group"] for m in means), "osD^v"))
-        for m in means:
-            big = m["name"] in marked
-            ax.scatter(100 * m["asr"], 100 * m["acc_drop"], s=(2 if big else 1) * MARKER_PT ** 2,
-                       marker=markers[m["group"]], color=colour.get(m["name"], "grey"), edgecolor="k",
-                       linewidth=1.5 if big else 0.8, hatch=HIGHLIGHT_HATCH if big else None, zorder=3)
-        for group, marker in markers.items():
-            ax.scatter([], [], marker=marker, color="white", edgecolor="k", label=group)
-        ax.legend(fontsize=8, loc="upper right")
-        drops = [100 * m["acc_drop"] for m in means]
-        ax.set(xlim=(-3, 108), ylim=(min(0, *drops) - 2, max(drops) * 1.1 + 3), xticks=list(ASR_TICKS))
-        ax.set_xlabel("mean ASR after (%)", fontsize=FONT_PT)
-        ax.set_ylabel("mean ACC drop (points)", fontsize=FONT_PT)
-        ax.set_title(f"{means_title}: lower left is better", fontsize=FONT_PT)
-        integer_ticks(ax.yaxis)
-        ax.tick_params(labelsize=FONT_PT - 1)
-        ax.axhline(0, color="grey", lw=0.5)
+        _means_panel(ax, means, colour, marked, means_title)
     fig.tight_layout(rect=(0, 0, 1, 1 - (0.22 * legend_rows + 0.05) / height))
     if ax is not None:  # once the layout is final: the labels' places are measured in points on the page
         label_apart(ax, [(100 * m["asr"], 100 * m["acc_drop"]) for m in means], [m["name"] for m in means])
     return fig
+
+
+def _means_panel(ax, means: list[dict], colour: dict, marked: set, title: str) -> None:
+    """``defence_bars``' side panel: each defence's mean ASR after against its mean ACC drop, one marker per group
+    (setting), the `marked` ones larger and hatched."""
+    markers = dict(zip(dict.fromkeys(m["group"] for m in means), "osD^v"))
+    for m in means:
+        big = m["name"] in marked
+        ax.scatter(100 * m["asr"], 100 * m["acc_drop"], s=(2 if big else 1) * MARKER_PT ** 2,
+                   marker=markers[m["group"]], color=colour.get(m["name"], "grey"), edgecolor="k",
+                   linewidth=1.5 if big else 0.8, hatch=HIGHLIGHT_HATCH if big else None, zorder=3)
+    for group, marker in markers.items():
+        ax.scatter([], [], marker=marker, color="white", edgecolor="k", label=group)
+    ax.legend(fontsize=8, loc="upper right")
+    drops = [100 * m["acc_drop"] for m in means]
+    ax.set(xlim=(-3, 108), ylim=(min(0, *drops) - 2, max(drops) * 1.1 + 3), xticks=list(ASR_TICKS))
+    ax.set_xlabel("mean ASR after (%)", fontsize=FONT_PT)
+    ax.set_ylabel("mean ACC drop (points)", fontsize=FONT_PT)
+    ax.set_title(f"{title}: lower left is better", fontsize=FONT_PT)
+    integer_ticks(ax.yaxis)
+    ax.tick_params(labelsize=FONT_PT - 1)
+    ax.axhline(0, color="grey", lw=0.5)
 
 
 def label_apart(ax, points: list[tuple[float, float]], labels: list[str], fontsize: float = LABEL_PT) -> None:
