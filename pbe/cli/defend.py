@@ -328,7 +328,13 @@ def _defense_parameters() -> str:
 
 
 def register(sub) -> None:
-    from pbe import defenses
+    """The commands of this module: erase, defend, detect, analyze, demo."""
+    for add in (_register_erase, _register_defend, _register_detect, _register_analyze, _register_demo):
+        add(sub)
+
+
+def _register_erase(sub) -> None:
+    """`pbe erase`: PBE without clean data, or AFT with a clean extra set."""
     from pbe.defenses import SCHEDULES
     from pbe.defenses.aft import AFT_SCHEDULES
     from pbe.defenses.pbe import DEFAULT_SCHEDULE
@@ -346,6 +352,10 @@ def register(sub) -> None:
     _pgd_args(p)
     p.set_defaults(func=cmd_erase)
 
+
+def _register_defend(sub) -> None:
+    """`pbe defend`: any registered defence."""
+    from pbe import defenses
     p = sub.add_parser("defend", help="run any registered defence (" + " ".join(defenses.available()) + ")",
                        epilog=_defense_parameters(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common(p, model=True)
@@ -355,6 +365,9 @@ def register(sub) -> None:
                    help="defence parameter, e.g. --param epochs=20 --param retrain=quick (repeatable)")
     p.set_defaults(func=cmd_defend)
 
+
+def _register_detect(sub) -> None:
+    """`pbe detect`: the trigger-free target scan, or the kappa monitor."""
     p = sub.add_parser("detect", help="is a backdoor suspected, and which label is its target? (no trigger)",
                        epilog="An option of the other --method is refused. epoch_equivalents: image passes per "
                        "training-set size (the training split's, whichever --split is scanned).")
@@ -381,6 +394,9 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, help=f"kappa: PGD steps (default {MONITOR_PGD.steps})")
     p.set_defaults(func=cmd_detect)
 
+
+def _register_analyze(sub) -> None:
+    """`pbe analyze`: neurons excited by clean, triggered and adversarial inputs."""
     p = sub.add_parser("analyze", help="neurons excited by clean, triggered and adversarial inputs")
     add_common(p, without=("overwrite",), model=True)
     add_model_arg(p)
@@ -391,6 +407,9 @@ def register(sub) -> None:
     _pgd_args(p)
     p.set_defaults(func=cmd_analyze)
 
+
+def _register_demo(sub) -> None:
+    """`pbe demo`: plant a backdoor on the digits and erase it."""
     p = sub.add_parser("demo", help="plant a backdoor in a small CNN on the built-in digits and erase it with PBE "
                        "without clean data (~10 s at 1 thread, its default)",
                        description="Plant a Blend backdoor (target 0, 10 % poison) in a small CNN trained on the "
