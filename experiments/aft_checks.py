@@ -17,18 +17,17 @@ import argparse
 import contextlib
 import functools
 import importlib
-import json
 
 import torch
 
-from common import RESULTS, built_zoo_models
+from common import built_zoo_models, run_missing
 
-from pbe import zoo
+import pbe.zoo
 from pbe.data import load as load_data
 from pbe.adversarial import UniversalConfig
 from pbe.cli.defend import CLEAN_FRACTION
 from pbe.defenses import Evaluation
-from pbe.utils import Cost, hardware_string, toolkit_version, write_json
+from pbe.utils import Cost, hardware_string, toolkit_version
 
 A = importlib.import_module("pbe.defenses.aft")  # the module (pbe.defenses.aft is also a function's name)
 AFT_GOAL_ASR = 0.02  # AFT's goal ASR (PBE's is 3 %: it has no clean data)
@@ -55,9 +54,10 @@ def clean_set(train):
     return idx.sort().values
 
 
-def run(name: str, variant: str, epochs: int) -> dict:
-    entry, z = zoo.get(name), zoo.load(name)
-    clean_train = load_data(entry.dataset, zoo.default_data_root(entry.dataset), "train")
+def run(zoo: str, variant: str, epochs: int) -> dict:
+    name = zoo
+    entry, z = pbe.zoo.get(name), pbe.zoo.load(name)
+    clean_train = load_data(entry.dataset, pbe.zoo.default_data_root(entry.dataset), "train")
     clean = clean_train.subset(clean_set(clean_train))
     with variant_schedule(variant):
         result = A.AFT(epochs=epochs, stop_after=NEVER)(z.model, clean, seed=0, progress=False,
@@ -120,19 +120,10 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=A.AFT.defaults["epochs"])
     args = ap.parse_args()
     names = args.only or [e.name for e in built_zoo_models("dev", "cifar10", None)]
-    path = RESULTS / "aft_checks.json"
-    rows = json.loads(path.read_text()) if path.exists() else []
-    for name in names:
-        for variant in args.variants:
-            if any(r["zoo"] == name and r["variant"] == variant for r in rows):
-                continue
-            row = run(name, variant, args.epochs)
-            rows = (json.loads(path.read_text()) if path.exists() else []) + [row]
-            print(f"{name} {variant}: " + ", ".join(f"{c['epochs']}: {100 * c['asr']:.2f}" for c in row["checks"]),
-                  flush=True)
-            write_json(path, rows)
-            (RESULTS / "aft_checks.md").write_text(markdown(rows) + "\n")
-
+    run_missing("aft_checks", [{"zoo": n, "variant": v} for n in names for v in args.variants],
+                functools.partial(run, epochs=args.epochs), markdown,
+                lambda r: f"{r['zoo']} {r['variant']}: " + ", ".join(f"{c['epochs']}: {100 * c['asr']:.2f}"
+                                                                    for c in r["checks"]))
 
 if __name__ == "__main__":
     main()

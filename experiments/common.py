@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pbe import zoo
 from pbe.results import ResultsTable, fixed, pct, target_cell
-from pbe.utils import toolkit_version
+from pbe.utils import toolkit_version, write_json
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -19,6 +19,24 @@ ROOT = HERE.parent
 # shared disk)
 RESULTS = Path(os.environ.get("PBE_RESULTS", HERE / "results"))
 RUNS = Path(os.environ.get("PBE_RUNS", "runs"))
+
+
+def run_missing(table: str, cells: list[dict], run, markdown, describe) -> list[dict]:
+    """The small analysis scripts' loop: every cell (the keyword arguments of `run`, also the keys naming its row)
+    without a row in ``RESULTS/<table>.json`` is run, its row appended (the file re-read first, so that two
+    processes do not drop each other's rows) and ``<table>.md`` re-rendered by `markdown(rows)`; `describe(row)`
+    is printed. Returns the rows."""
+    path = RESULTS / f"{table}.json"
+    read = lambda: json.loads(path.read_text()) if path.exists() else []  # noqa: E731
+    for cell in cells:
+        if any(all(r.get(k) == v for k, v in cell.items()) for r in read()):
+            continue
+        row = run(**cell)
+        rows = read() + [row]
+        print(describe(row), flush=True)
+        write_json(path, rows)
+        (RESULTS / f"{table}.md").write_text(markdown(rows) + "\n")
+    return read()
 
 
 def zoo_models(zoo_set: str | None = "dev", dataset: str | None = "cifar10", only: list[str] | None = None,

@@ -30,20 +30,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import time
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from common import RESULTS
-from pbe import zoo
+from common import run_missing
+import pbe.zoo
 from pbe.adversarial import UniversalConfig
 from pbe.defenses import Evaluation, erase
 from pbe.defenses import pbe as D
 from pbe.metrics import predict
-from pbe.utils import hardware_string, toolkit_version, write_json
+from pbe.utils import hardware_string, toolkit_version
 
 MODELS = ("cifar10/lenet_badnets_white5_t7", "cifar10/lenet_blend_t1_r5")
 LEVERS = ("augmented", "no_relabel", "logit_adjusted", "frozen_target_row", "no_universal_share",
@@ -158,8 +157,9 @@ def per_class(model, test) -> list[float]:
     return [round(float((pred[y == c] == c).float().mean()), 4) for c in range(test.num_classes)]
 
 
-def run(name: str, variant: str) -> dict:
-    z = zoo.load(name)
+def run(zoo: str, variant: str) -> dict:
+    name = zoo
+    z = pbe.zoo.load(name)
     target = z.attack.target
     levers = set() if variant == "default" else set(variant.split("+"))
     start = time.time()
@@ -213,18 +213,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="zoo names")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     args = ap.parse_args()
-    path = RESULTS / "lenet_overerasure.json"
-    rows = json.loads(path.read_text()) if path.exists() else []
-    for name in args.only or MODELS:
-        for variant in args.variants:
-            if any(r["zoo"] == name and r["variant"] == variant for r in rows):
-                continue
-            rows.append(run(name, variant))
-            print(f"{name} {variant}: " + ("as the default" if rows[-1].get("same_as_default") else
-                                           f"acc {rows[-1]['acc']:.4f} asr {rows[-1]['asr']:.4f}"), flush=True)
-            write_json(path, rows)
-            (RESULTS / "lenet_overerasure.md").write_text(markdown(rows) + "\n")
-
+    run_missing("lenet_overerasure", [{"zoo": n, "variant": v} for n in args.only or MODELS for v in args.variants],
+                run, markdown, lambda r: f"{r['zoo']} {r['variant']}: " + (
+                    "as the default" if r.get("same_as_default") else f"acc {r['acc']:.4f} asr {r['asr']:.4f}"))
 
 if __name__ == "__main__":
     main()

@@ -11,13 +11,12 @@ budget (``SCAN_BUDGETS["pbe"]``) and the additive family alone, at a multiple of
 from __future__ import annotations
 
 import argparse
-import json
 
-from common import RESULTS
+from common import run_missing
 
-from pbe import zoo
+import pbe.zoo
 from pbe.detection import SCAN_BUDGETS, SCAN_L2_RMS, detect
-from pbe.utils import hardware_string, toolkit_version, write_json
+from pbe.utils import hardware_string, toolkit_version
 
 MODELS = ("cifar10/sig", "cifar10/sig_poison_label", "cifar10/badnets", "cifar10/blend", "cifar10/badnets_t8_r5",
           "cifar10/lenet_badnets_white5_t7", "cifar10/clean", "cifar10/vgg_clean_s12", "cifar10/convmixer_clean",
@@ -25,8 +24,9 @@ MODELS = ("cifar10/sig", "cifar10/sig_poison_label", "cifar10/badnets", "cifar10
 MULTIPLES = (1.0, 2.0, 3.0, 4.0)
 
 
-def run(name: str, multiple: float) -> dict:
-    entry, z = zoo.get(name), zoo.load(name)
+def run(zoo: str, multiple: float) -> dict:
+    name = zoo
+    entry, z = pbe.zoo.get(name), pbe.zoo.load(name)
     d = detect(z.model, z.test_set, budget=SCAN_BUDGETS["pbe"], l2_rms=SCAN_L2_RMS * multiple, seed=0, warp_shift=0.0)
     return {"zoo": name, "multiple": multiple, "target": entry.target if entry.infected else None,
             "top_label": d.top_label, "z": d.score, "p_value": d.p_value, "suspected": d.suspected,
@@ -58,17 +58,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="zoo names")
     ap.add_argument("--multiples", nargs="*", type=float, default=list(MULTIPLES))
     args = ap.parse_args()
-    path = RESULTS / "scan_l2_budget.json"
-    rows = json.loads(path.read_text()) if path.exists() else []
-    for name in args.only or MODELS:
-        for m in args.multiples:
-            if any(r["zoo"] == name and r["multiple"] == m for r in rows):
-                continue
-            rows.append(run(name, m))
-            print(f"{name} x{m:g}: top {rows[-1]['top_label']} z {rows[-1]['z']}", flush=True)
-            write_json(path, rows)
-            (RESULTS / "scan_l2_budget.md").write_text(markdown(rows) + "\n")
-
+    run_missing("scan_l2_budget", [{"zoo": n, "multiple": m} for n in args.only or MODELS for m in args.multiples],
+                run, markdown, lambda r: f"{r['zoo']} x{r['multiple']:g}: top {r['top_label']} z {r['z']}")
 
 if __name__ == "__main__":
     main()
