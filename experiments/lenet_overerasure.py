@@ -23,6 +23,7 @@ A variant is levers joined by "+", each patching one step of ``pbe.defenses.pbe`
   as many as the median label count (not only those it still assigns to the target), and never relabels them.
   Alone, on a model whose plan readmits nothing (a cluster, a whole label, an inflated target), it stops after the
   plan and records the row as the default's.
+- mask_family: a third universal family, a mask over 1 % of the pixels (``pbe_ablation_cifar10.py``'s variant).
 Seed 0, 1 thread, the zoo's training set; the target is the scan's (no target given). A lever that helps the LeNets
 is also run on other dev models (``--only``) before it can become the default.
 """
@@ -46,11 +47,12 @@ from pbe.utils import hardware_string, toolkit_version
 
 MODELS = ("cifar10/lenet_badnets_white5_t7", "cifar10/lenet_blend_t1_r5")
 LEVERS = ("augmented", "no_relabel", "logit_adjusted", "frozen_target_row", "no_universal_share",
-          "trust_hardest_half", "trust_hardest_all", "round1_one_epoch", "l2_half", "readmit_ranked")
+          "trust_hardest_half", "trust_hardest_all", "round1_one_epoch", "l2_half", "readmit_ranked", "mask_family")
 VARIANTS = ("default", "augmented", "no_relabel+augmented", "logit_adjusted+augmented",
             "logit_adjusted+no_relabel+augmented", "frozen_target_row+augmented", "no_universal_share+augmented",
             "trust_hardest_half+augmented", "trust_hardest_all+augmented", "no_relabel", "logit_adjusted",
-            "logit_adjusted+no_relabel", "trust_hardest_all", "round1_one_epoch", "l2_half", "readmit_ranked")
+            "logit_adjusted+no_relabel", "trust_hardest_all", "round1_one_epoch", "l2_half", "readmit_ranked",
+            "readmit_ranked+mask_family")
 
 
 def schedule_of(levers: set[str]) -> D.Schedule:
@@ -59,6 +61,8 @@ def schedule_of(levers: set[str]) -> D.Schedule:
         s = replace(s, universal_share=0.0)
     if "round1_one_epoch" in levers:
         s = replace(s, epochs=(1,) + s.epochs[1:])
+    if "mask_family" in levers:  # pbe_ablation_cifar10.py's mask_family
+        s = replace(s, families=s.families + (UniversalConfig(kind="mask", eps=0.01),))
     if "l2_half" in levers:
         s = replace(s, families=(UniversalConfig(kind="l2", eps=D.SCAN_L2_RMS / 2, per_pixel=True),) + s.families[1:],
                     universal_reach=0.0)
