@@ -8,7 +8,7 @@ from pbe import metrics
 from pbe.activations import kappa_detect, label_concentration, neuron_overlap
 from pbe.adversarial import PGDConfig, adversarial_examples, pgd, success_rate
 from pbe.defenses import Evaluation, Schedule, aft, erase
-from pbe.defenses.pbe import decisions
+from pbe.defenses.pbe import SCAN_FAMILIES, decisions
 from pbe.demo import DIGITS_PGD, DIGITS_SCAN_L2_RMS, DIGITS_SCHEDULE
 from pbe.detection import SCAN_BUDGETS, ScanBudget
 from pbe.utils import PBEError
@@ -243,7 +243,6 @@ def test_the_default_distrusts_the_scanned_target_and_aims_every_perturbation_at
     """The scan names the Blend target (0); round 1 never trains on that label, every epoch's universal
     perturbation is targeted at it, of the family whose scan named it, and the scan is in the cost; the
     untargeted "fast" schedule runs no scan."""
-    from pbe.defenses.pbe import SCAN_FAMILIES
     model, attack, poisoned = blend_model
     report, calls = _universal_calls(blend_model, digits_default(fractions=(0.2,), epochs=(2,), adv_batches=(None,),
                                                                  universal_images=64, universal_reach=0.0))
@@ -312,7 +311,8 @@ def _plan(**kw):
     ({"scan": (2, "warp"), "cluster": [2]},
      {"target": 2, "named_by": "scan and cluster", "distrust": "target", "families": ("warp",),
       "check_cluster": True, "relabel": "moved"}),
-    ({"weak": 1, "cluster": [1]}, {"target": 1, "named_by": "scan and cluster", "families": ("l2", "linf", "patch")}),
+    ({"weak": 1, "cluster": [1]},
+     {"target": 1, "named_by": "scan and cluster", "families": SCAN_FAMILIES["universal"]}),
     ({"scan": (2, "warp"), "cluster": [4]},  # the cluster outranks a statistic naming another label
      {"target": None, "distrust": "cluster", "trigger": "estimated", "relabel": "all", "readmit": False}),
     ({"weak": 2, "cluster": [1]}, {"target": None, "distrust": "cluster"}),
@@ -326,7 +326,7 @@ def _plan(**kw):
     ({"scan": (0, "universal"), "labels": _labels(80)}, {"readmit": True}),
     # rule 4: the scan's weak evidence alone
     ({"weak": 2, "whole_label": 4},
-     {"target": 2, "named_by": "weak scan", "families": ("l2", "linf", "patch"), "check_cluster": False}),
+     {"target": 2, "named_by": "weak scan", "families": SCAN_FAMILIES["universal"], "check_cluster": False}),
     # rule 5: a whole label carries a trigger
     ({"whole_label": 4},
      {"target": 4, "named_by": "whole label", "distrust": "target", "trigger": "estimated", "relabel": "none",
