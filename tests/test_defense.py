@@ -8,7 +8,7 @@ from pbe import metrics
 from pbe.activations import kappa_detect, label_concentration, neuron_overlap
 from pbe.adversarial import PGDConfig, adversarial_examples, pgd, success_rate
 from pbe.defenses import Evaluation, Schedule, aft, erase
-from pbe.defenses.pbe import decisions
+from pbe.defenses.pbe import SCAN_FAMILIES, decisions
 from pbe.demo import DIGITS_PGD, DIGITS_SCAN_L2_RMS, DIGITS_SCHEDULE
 from pbe.detection import SCAN_BUDGETS, ScanBudget
 from pbe.utils import PBEError
@@ -243,7 +243,7 @@ def test_the_default_distrusts_the_scanned_target_and_aims_every_perturbation_at
     """The scan names the Blend target (0); round 1 never trains on that label, every epoch's universal
     perturbation is targeted at it, of the family whose scan named it, and the scan is in the cost; the
     untargeted "fast" schedule runs no scan."""
-    from pbe.defenses.pbe import FAMILIES, SCAN_FAMILIES
+    from pbe.defenses.pbe import FAMILIES
     model, attack, poisoned = blend_model
     report, calls = _universal_calls(blend_model, digits_default(fractions=(0.2,), epochs=(2,), adv_batches=(None,),
                                                                  universal_images=64, universal_reach=0.0))
@@ -312,7 +312,8 @@ def _plan(**kw):
     ({"scan": (2, "warp"), "cluster": [2]},
      {"target": 2, "named_by": "scan and cluster", "distrust": "target", "families": ("warp",),
       "check_cluster": True, "relabel": "moved"}),
-    ({"weak": 1, "cluster": [1]}, {"target": 1, "named_by": "scan and cluster", "families": ("l2", "linf", "patch")}),
+    ({"weak": 1, "cluster": [1]},
+     {"target": 1, "named_by": "scan and cluster", "families": SCAN_FAMILIES["universal"]}),
     ({"scan": (2, "warp"), "cluster": [4]},  # the cluster outranks a statistic naming another label
      {"target": None, "distrust": "cluster", "trigger": "estimated", "relabel": "all", "readmit": False}),
     ({"weak": 2, "cluster": [1]}, {"target": None, "distrust": "cluster"}),
@@ -326,7 +327,7 @@ def _plan(**kw):
     ({"scan": (0, "universal"), "labels": _labels(80)}, {"readmit": True}),
     # rule 4: the scan's weak evidence alone
     ({"weak": 2, "whole_label": 4},
-     {"target": 2, "named_by": "weak scan", "families": ("l2", "linf", "patch"), "check_cluster": False}),
+     {"target": 2, "named_by": "weak scan", "families": SCAN_FAMILIES["universal"], "check_cluster": False}),
     # rule 5: a whole label carries a trigger
     ({"whole_label": 4},
      {"target": 4, "named_by": "whole label", "distrust": "target", "trigger": "estimated", "relabel": "none",
@@ -362,20 +363,29 @@ def test_balanced_selection_takes_every_labels_share_and_never_a_refused_sample(
     assert len(plain) == 90 and score[plain].max() <= score[torch.isfinite(score)].sort().values[89]
 
 
-def test_readmission_takes_the_targets_samples_still_assigned_to_it_but_never_isolated_poison():
-    """Rounds.select: with a readmitting plan, the target's samples the purified model still assigns to the target
-    may join the next subset, except those the isolation holds as poison (their trigger may still work)."""
+def test_readmission_takes_a_typical_labels_worth_of_the_target_ranked_by_its_probability_never_isolated_poison():
+    """Rounds.select with a readmitting plan: of the target's samples, as many as the median label holds, those the
+    purified model gives the target the highest probability, join the next subset, never one the isolation holds
+    as poison; Rounds.relabel keeps the readmitted ones' label and moves only the others."""
+    from pbe.data import ImageDataset
     from pbe.defenses.pbe import Plan, Rounds
-    labels = torch.arange(4).repeat_interleave(10)  # target 0: samples 0-9
-    z = F.one_hot(labels, 4).float()
-    z[5:10] = F.one_hot(torch.ones(5, dtype=torch.long), 4).float()  # samples 5-9 moved to label 1
-    isolated = torch.zeros(40, dtype=torch.bool)
-    isolated[:2] = True
-    plan = Plan(target=0, named_by="scan and cluster", distrust="target", readmit=True, check_cluster=True)
-    state = Rounds(plan, labels == 0, isolated, labels != 0, torch.arange(10, 40), torch.zeros(40, dtype=torch.bool),
-                   None)
-    state.select(z, torch.zeros(40), labels, fraction=1.0, balanced=True)
-    assert state.subset.tolist() == [2, 3, 4] + list(range(10, 40))
+    labels = torch.cat([torch.zeros(20, dtype=torch.long), torch.arange(1, 4).repeat_interleave(10)])  # target 0: 0-19
+    z = torch.zeros(50, 4)
+    z[:20, 0] = 20 - torch.arange(20).float()  # the target's probability falls with the index
+    z[torch.arange(20, 50), labels[20:]] = 30.0
+    z[15] = torch.tensor([0.0, 0.0, 9.0, 0.0])  # moved confidently to label 2
+    isolated = torch.zeros(50, dtype=torch.bool)
+    isolated[:2] = True  # the two the purified model finds most target-like are isolated poison
+    plan = Plan(target=0, named_by="scan", distrust="target", readmit=True, relabel="moved")
+    data = ImageDataset(torch.zeros(50, 1, 2, 2, dtype=torch.uint8), labels, [str(c) for c in range(4)])
+    state = Rounds(plan, labels == 0, isolated, labels != 0, torch.arange(20, 50), torch.zeros(50, dtype=torch.bool),
+                   data)
+    state.select(z, torch.zeros(50), labels, fraction=1.0, balanced=True)
+    assert state.subset.tolist() == list(range(2, 12)) + list(range(20, 50))  # 10: the median label's count
+    row = {}
+    state.relabel(z, data, row)
+    assert state.train_view.labels[15] == 2 and (state.train_view.labels[2:12] == 0).all() and row["relabelled"] == 1
+    assert 15 in state.subset.tolist()
 
 
 def test_relabelled_moves_confident_samples_and_all_gives_every_distrusted_one_another_label():
