@@ -6,7 +6,8 @@
 """
 from __future__ import annotations
 
-from attacks.adaptive import AdapBlend, AdapPatch
+from attacks.adap_blend import AdapBlend
+from attacks.adap_patch import AdapPatch
 from attacks.badnets import BadNets
 from attacks.base import BackdoorAttack, PoisonedDataset, load_state
 from attacks.blend import Blend

@@ -20,14 +20,14 @@ import importlib
 
 import torch
 
-from common import built_zoo_models, run_missing
+from common import built_zoo_models, provenance, run_missing
 
 import pbe.zoo
 from pbe.data import load as load_data
 from pbe.adversarial import UniversalConfig
 from pbe.cli.defend import CLEAN_FRACTION
 from pbe.defenses import Evaluation
-from pbe.utils import Cost, hardware_string, toolkit_version
+from pbe.utils import Cost
 
 A = importlib.import_module("pbe.defenses.aft")  # the module (pbe.defenses.aft is also a function's name)
 AFT_GOAL_ASR = 0.02  # AFT's goal ASR (PBE's is 3 %: it has no clean data)
@@ -72,8 +72,7 @@ def run(zoo: str, variant: str, epochs: int) -> dict:
             "acc_before": rep["before"]["acc"], "asr_before": rep["before"]["asr"],
             "tracker_before": rep["tracker_before"], "checks": checks, "epoch_equivalents": rep["epoch_equivalents"],
             "wall_s": rep["wall_s"], "seed": 0,
-            "command": f"python experiments/aft_checks.py --only {name} --variants {variant} --epochs {epochs}",
-            "hardware": hardware_string(), "toolkit_version": toolkit_version()}
+            **provenance(f"python experiments/aft_checks.py --only {name} --variants {variant} --epochs {epochs}")}
 
 
 def would_stop(checks: list[dict], stop_after: int) -> int | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pbe import zoo
 from pbe.results import ResultsTable, fixed, pct, target_cell
-from pbe.utils import toolkit_version, write_json
+from pbe.utils import hardware_string, toolkit_version, write_json
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -19,6 +19,11 @@ ROOT = HERE.parent
 # shared disk)
 RESULTS = Path(os.environ.get("PBE_RESULTS", HERE / "results"))
 RUNS = Path(os.environ.get("PBE_RUNS", "runs"))
+
+
+def provenance(command: str) -> dict:
+    """The fields that say how a row was made: its command, the hardware and the toolkit's version."""
+    return {"command": command, "hardware": hardware_string(), "toolkit_version": toolkit_version()}
 
 
 def run_missing(table: str, cells: list[dict], run, markdown, describe) -> list[dict]:

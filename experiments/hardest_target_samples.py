@@ -16,12 +16,12 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from common import RESULTS
+from common import RESULTS, provenance
 
 from pbe import zoo
 from pbe.defenses.pbe import typical_count
 from pbe.metrics import predict
-from pbe.utils import hardware_string, toolkit_version, write_json
+from pbe.utils import write_json
 
 SHARES = (0.1, 0.25, 0.5, 1.0)  # k as a share of the median label count
 
@@ -43,8 +43,7 @@ def measure(name: str) -> dict | None:
                         "poison": int(ranked[:min(len(idx), round(q * typical))].sum())} for q in SHARES}
     return {"zoo": name, "zoo_set": entry.set, "attack": entry.attack, "target": target,
             "label_samples": len(idx), "label_poison": int(poison[idx].sum()), "typical": typical,
-            "hardest": hardest, "command": f"python experiments/hardest_target_samples.py --only {name}",
-            "hardware": hardware_string(), "toolkit_version": toolkit_version()}
+            "hardest": hardest, **provenance(f"python experiments/hardest_target_samples.py --only {name}")}
 
 
 def markdown(rows: list[dict]) -> str:

@@ -37,13 +37,12 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from common import run_missing
+from common import provenance, run_missing
 import pbe.zoo
 from pbe.adversarial import UniversalConfig
 from pbe.defenses import Evaluation, erase
 from pbe.defenses import pbe as D
 from pbe.metrics import predict
-from pbe.utils import hardware_string, toolkit_version
 
 MODELS = ("cifar10/lenet_badnets_white5_t7", "cifar10/lenet_blend_t1_r5")
 LEVERS = ("augmented", "no_relabel", "logit_adjusted", "frozen_target_row", "no_universal_share",
@@ -174,8 +173,7 @@ def run(zoo: str, variant: str) -> dict:
     except SamePath as e:
         return {"zoo": name, "variant": variant, "target": target, "same_as_default": True, "plan": str(e),
                 "wall_s": round(time.time() - start, 1), "seed": 0,
-                "command": f"python experiments/lenet_overerasure.py --only {name} --variants {variant}",
-                "hardware": hardware_string(), "toolkit_version": toolkit_version()}
+                **provenance(f"python experiments/lenet_overerasure.py --only {name} --variants {variant}")}
     r1 = rep["rounds"][0]
     return {"zoo": name, "variant": variant, "target": target, "acc_before": rep["before"]["acc"],
             "acc": rep["after"]["acc"], "asr_before": rep["before"]["asr"], "asr": rep["after"]["asr"],
@@ -184,8 +182,7 @@ def run(zoo: str, variant: str) -> dict:
             "plan": rep["plan"]["named_by"], "augmentation": rep["augmentation"],
             "acc_drop_estimate": rep["acc_drop_estimate"]["estimate"],
             "epoch_equivalents": rep["epoch_equivalents"], "wall_s": round(time.time() - start, 1), "seed": 0,
-            "command": f"python experiments/lenet_overerasure.py --only {name} --variants {variant}",
-            "hardware": hardware_string(), "toolkit_version": toolkit_version()}
+            **provenance(f"python experiments/lenet_overerasure.py --only {name} --variants {variant}")}
 
 
 def markdown(rows: list[dict]) -> str:

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 
-from common import run_missing
+from common import provenance, run_missing
 
 import pbe.zoo
 from pbe.detection import SCAN_BUDGETS, SCAN_L2_RMS, detect
-from pbe.utils import hardware_string, toolkit_version
 
 MODELS = ("cifar10/sig", "cifar10/sig_poison_label", "cifar10/badnets", "cifar10/blend", "cifar10/badnets_t8_r5",
           "cifar10/lenet_badnets_white5_t7", "cifar10/clean", "cifar10/vgg_clean_s12", "cifar10/convmixer_clean",
@@ -31,8 +30,7 @@ def run(zoo: str, multiple: float) -> dict:
     return {"zoo": name, "multiple": multiple, "target": entry.target if entry.infected else None,
             "top_label": d.top_label, "z": d.score, "p_value": d.p_value, "suspected": d.suspected,
             "rates": d.rates, "seed": 0,
-            "command": f"python experiments/scan_l2_budget.py --only {name} --multiples {multiple:g}",
-            "hardware": hardware_string(), "toolkit_version": toolkit_version()}
+            **provenance(f"python experiments/scan_l2_budget.py --only {name} --multiples {multiple:g}")}
 
 
 def markdown(rows: list[dict]) -> str:
