@@ -88,6 +88,10 @@ class Schedule:
         universal_share (float): share of every batch that gets a universal perturbation (or the estimated
             trigger), with the samples' own labels. Default 1/3.
         universal_images (int): samples each family's perturbation is optimised on. Default 512.
+        universal_refresh (int | None): after a round's first epoch, each family's perturbation continues from the
+            last epoch's for this many passes over its images (the model moved a little in an epoch: the last
+            perturbation is a near start), instead of its config's `epochs` from a fresh start; None: always fresh.
+            Default 1.
         universal_reach (float): before round 1 each family's budget is doubled (at most ``MAX_DOUBLINGS`` times)
             until its perturbation sends this share of held-out images to the target; 0 keeps it. Default 0.8.
         pgd_config (PGDConfig): the untargeted PGD of untargeted schedules. Default 4 steps of 2/255 within 6/255.
@@ -116,6 +120,7 @@ class Schedule:
     families: tuple[UniversalConfig, ...] = FAMILIES
     universal_share: float = 1 / 3
     universal_images: int = 512
+    universal_refresh: int | None = 1
     universal_reach: float = 0.8
     pgd_config: PGDConfig = PGDConfig(eps=PAPER_EPS, steps=4, step=2 / 255)
     balanced: bool = True
@@ -141,6 +146,9 @@ class Schedule:
         if not (0 <= self.universal_share <= 1 and 0 <= self.universal_reach <= 1):
             raise PBEError(f"universal_share and universal_reach must be in [0, 1], got {self.universal_share}, "
                            f"{self.universal_reach}")
+        if self.universal_refresh is not None and not (isinstance(self.universal_refresh, int)
+                                                       and self.universal_refresh >= 1):
+            raise PBEError(f"schedule universal_refresh must be an int >= 1 or None, got {self.universal_refresh!r}")
         if self.early_stop and not self.monitor:
             raise PBEError("schedule early_stop stops on the monitor: it needs monitor=True")
         if not isinstance(self.families, tuple) or not all(isinstance(f, UniversalConfig) for f in self.families):
@@ -342,12 +350,14 @@ class AdversarialBatches:
             return
         labels = self.data.labels
         pool = torch.arange(len(self.data)) if self.target is None else (labels != self.target).nonzero()[:, 0]
-        self.deltas = []
-        for cfg in self.families:
+        last, self.deltas = self.deltas, []
+        for i, cfg in enumerate(self.families):
+            start = last[i] if last and s.universal_refresh is not None else None
+            fit = cfg if start is None else replace(cfg, epochs=s.universal_refresh)
             pick = pool[torch.randperm(len(pool), generator=self.ctx.gen)[:s.universal_images]]
-            self.deltas.append(universal_perturbation(self.model, self.data.images[pick], labels[pick], cfg,
-                                                      self.ctx.gen, self.ctx.device, target=self.target))
-            self.ctx.cost.add(Cost(forward_backward=cfg.epochs * len(pick)))
+            self.deltas.append(universal_perturbation(self.model, self.data.images[pick], labels[pick], fit,
+                                                      self.ctx.gen, self.ctx.device, target=self.target, start=start))
+            self.ctx.cost.add(Cost(forward_backward=fit.epochs * len(pick)))
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         s = self.s
