@@ -182,7 +182,8 @@ def test_aft_targeted_checks_its_work_on_held_out_clean_images(blend_model, digi
                         crop_padding=1, evaluation=Evaluation(digits[1], attack))
     assert report["target"] == attack.target and report["check_size"] == round(0.2 * len(clean))
     assert set(seen) == {len(clean) - report["check_size"]}  # fine-tuned on the rest only
-    assert [c["epochs"] for c in report["check"]] == list(range(2, 2 * len(report["check"]) + 1, 2))
+    assert [c["epochs"] for c in report["check"]] == [2, 4, 6, 8]  # the default never stops on the tracker
+    assert report["stopped"] is None and report["epochs_run"] == 8
     assert all({"tracker", "check_acc", "check_acc_drop", "passes"} <= set(c) for c in report["check"])
     spent = [c["passes"]["forward_backward"] for c in report["check"]]
     assert spent == sorted(spent) and spent[0] > 0  # the cost so far, at every check
@@ -258,6 +259,35 @@ def test_the_default_distrusts_the_scanned_target_and_aims_every_perturbation_at
     _, fast = erase(model, poisoned, replace(DIGITS_SCHEDULE, fractions=(0.2,), epochs=(1,), adv_batches=(None,)),
                     seed=0, progress=False)
     assert "scan" not in fast and fast["plan"]["distrust"] == "none"
+
+
+def test_each_epoch_after_a_rounds_first_continues_the_last_perturbation(blend_model):
+    """universal_refresh: a round's first epoch optimises each family's perturbation afresh (its config's epochs);
+    every later epoch continues from the last one's (`start`) for universal_refresh passes; None: always fresh."""
+    import pbe.defenses.pbe as defense
+    model, _, poisoned = blend_model
+    for refresh in (1, None):
+        starts = []
+        real_uni = defense.universal_perturbation
+
+        def spy(m, x, y, cfg, *a, start=None, **k):
+            delta = real_uni(m, x, y, cfg, *a, start=start, **k)
+            starts.append((cfg.kind, cfg.epochs, start))
+            return delta
+        s = digits_default(fractions=(0.2, 0.3), epochs=(3, 2), universal_images=64, universal_reach=0.0,
+                           universal_refresh=refresh)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(defense, "universal_perturbation", spy)
+            _, report = erase(model, poisoned, s, seed=0, progress=False)
+        kinds = len(set(report["plan"]["families"]) & {c.kind for c in s.families})
+        per_epoch = [starts[i:i + kinds] for i in range(0, len(starts), kinds)]
+        assert len(per_epoch) == 3 + 2
+        fresh = [all(st is None for _, _, st in e) for e in per_epoch]
+        assert fresh == ([True, False, False, True, False] if refresh else [True] * 5)
+        if refresh:
+            assert all(n == refresh for _, n, st in per_epoch[1] + per_epoch[4])
+    with pytest.raises(PBEError, match="universal_refresh"):
+        Schedule(universal_refresh=0)
 
 
 def test_a_given_target_takes_the_scans_place_and_selection_stays_balanced(blend_model):

@@ -339,10 +339,10 @@ class AdversarialBatches:
 
     def __init__(self, model: nn.Module, data: ImageDataset, s: Schedule, adv_batches: int | None, ctx: Context,
                  families: tuple[UniversalConfig, ...] = (), target: int | None = None,
-                 trigger: EstimatedTrigger | None = None):
+                 trigger: EstimatedTrigger | None = None, deltas: list[torch.Tensor] | None = None):
         self.model, self.data, self.s, self.adv_batches, self.ctx = model, data, s, adv_batches, ctx
         self.families, self.target, self.trigger = families, target, trigger
-        self.done, self.deltas = 0, []
+        self.done, self.deltas = 0, list(deltas or [])  # `deltas`: an earlier run's last perturbations, continued
 
     def new_epoch(self, epoch: int) -> None:
         s = self.s
@@ -390,12 +390,15 @@ def with_fitting_augmentation(model: nn.Module, data: ImageDataset, s: Schedule,
 
 def adversarial_finetune(model: nn.Module, data: ImageDataset, s: Schedule, ctx: Context, *, epochs: int,
                          adv_batches: int | None, desc: str, families: tuple[UniversalConfig, ...] = (),
-                         target: int | None = None, trigger: EstimatedTrigger | None = None) -> None:
-    """Fine-tune on `data` with the shared loop, ``AdversarialBatches`` and the schedule's SGD settings."""
-    batches = AdversarialBatches(model, data, s, adv_batches, ctx, families, target, trigger)
+                         target: int | None = None, trigger: EstimatedTrigger | None = None,
+                         deltas: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Fine-tune on `data` with the shared loop, ``AdversarialBatches`` and the schedule's SGD settings; returns the
+    last epoch's universal perturbations (`deltas`: a previous call's, to continue from)."""
+    batches = AdversarialBatches(model, data, s, adv_batches, ctx, families, target, trigger, deltas)
     sgd_finetune(model, data, ctx, epochs=epochs, lr=s.lr, batch_size=s.batch_size, momentum=s.momentum,
                  weight_decay=s.weight_decay, crop_padding=s.crop_padding, lr_schedule=s.lr_schedule,
                  transform=batches, on_epoch=batches.new_epoch, desc=desc)
+    return batches.deltas
 
 
 def logits(model: nn.Module, data: ImageDataset, ctx: Context) -> torch.Tensor:
