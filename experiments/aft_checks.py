@@ -32,6 +32,7 @@ from pbe.utils import Cost
 A = importlib.import_module("pbe.defenses.aft")  # the module (pbe.defenses.aft is also a function's name)
 AFT_GOAL_ASR = 0.02  # AFT's goal ASR (PBE's is 3 %: it has no clean data)
 NEVER = 10_000  # a stop_after no run reaches: the stop rule off
+STOP_AFTER = 2  # the stop rule the table examines (AFT's stop_after, its default until these rows)
 VARIANTS = ("default", "no_mask", "fresh", "no_mask+fresh")
 
 
@@ -89,12 +90,12 @@ def would_stop(checks: list[dict], stop_after: int) -> int | None:
 
 
 def markdown(rows: list[dict]) -> str:
-    stop_after = A.AFT.defaults["stop_after"]
+    stop_after = STOP_AFTER
     lines = ["# AFT's checks against the true ASR, without stopping", "",
              "Regenerate: `python experiments/aft_checks.py` (seed 0, 5 % clean data; see its docstring). Per check: "
              "ACC / ASR in %, the tracker's reading (there / gone), the held-out clean images' ACC drop in points, and "
-             f"the epoch-equivalents spent so far. **Bold**: where the stop rule ({stop_after} \"gone\" in a row) "
-             f"would stop. Goal: ASR <= {100 * AFT_GOAL_ASR:g} %, ACC drop <= 1 point, <= 2 epoch-equivalents.", ""]
+             f"the epoch-equivalents spent so far. **Bold**: where a stop rule of {stop_after} \"gone\" in a row "
+             f"(`stop_after={stop_after}`) would stop. Goal: ASR <= {100 * AFT_GOAL_ASR:g} %, ACC drop <= 1 point, <= 2 epoch-equivalents.", ""]
     for r in rows:
         stop = would_stop(r["checks"], stop_after)
         lines += [f"## {r['zoo']} ({r['variant']})", "",
