@@ -95,7 +95,8 @@ def markdown(rows: list[dict]) -> str:
              "Regenerate: `python experiments/aft_checks.py` (seed 0, 5 % clean data; see its docstring). Per check: "
              "ACC / ASR in %, the tracker's reading (there / gone), the held-out clean images' ACC drop in points, and "
              f"the epoch-equivalents spent so far. **Bold**: where a stop rule of {stop_after} \"gone\" in a row "
-             f"(`stop_after={stop_after}`) would stop. Goal: ASR <= {100 * AFT_GOAL_ASR:g} %, ACC drop <= 1 point, <= 2 epoch-equivalents.", ""]
+             f"(`stop_after={stop_after}`) would stop. Goal: ASR <= {100 * AFT_GOAL_ASR:g} %, ACC drop <= 1 point, "
+             "<= 2 epoch-equivalents.", ""]
     for r in rows:
         stop = would_stop(r["checks"], stop_after)
         lines += [f"## {r['zoo']} ({r['variant']})", "",

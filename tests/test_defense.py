@@ -2,7 +2,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pbe import metrics
 from pbe.activations import kappa_detect, label_concentration, neuron_overlap
