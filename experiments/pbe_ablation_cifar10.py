@@ -17,9 +17,7 @@ from common import RESULTS, built_zoo_models, zoo_cell
 from grid import Cell, execute, median_cost, script_main
 
 from pbe import zoo
-from pbe.adversarial import UniversalConfig
 from pbe.defenses import SCHEDULES, Evaluation, erase
-from pbe.detection import SCAN_BUDGETS
 from pbe.results import ResultsTable, fixed, pct
 from pbe.utils import PBEError, hardware_string, toolkit_version
 
@@ -38,38 +36,27 @@ VARIANTS = {
     "fast": ("the paper's untargeted method, short (SCHEDULES['fast']): two rounds, PGD-4, early stop", FAST),
     "fast_lr1e-3": ("authors' lr 1e-3", replace(FAST, lr=1e-3)),
     "fast_keep_adv": ("adversarial batches in every round", replace(FAST, adv_batches=(None, None))),
-    "readmit_auto": ("the default (SCHEDULES['targeted'], pbe.defenses.pbe.make_plan's rules), found as targeted_v7 + "
-                     "round 2 readmits none of the suspected target's samples where that label holds more than "
-                     "READMIT_INFLATION (4) times the median label's samples (GTSRB at 10 %: 7.6, as no_readmit), and "
-                     "those the purified model still assigns to it elsewhere (CIFAR-10 at 10 %: 2.25, as targeted_v7)",
-                     DEFAULT),
-    "default_oracle": ("the default given the true target (oracle: the erasure alone)", DEFAULT),
-    "scan_pass1": ("the target scan at one pass of 16-image steps over the same 256 fitting images per label "
-                   "instead of 4 passes of 128 (scan_budget.md: on the GTSRB dev zoo every scan names what the full "
-                   "one names, at 0.74 instead of 2.38 epoch-equivalents); where it names the same label by the same "
-                   "evidence, the run after the scan is the 4 x 128 default's, bit for bit. Shipped as the default's "
-                   "scan (SCAN_BUDGETS['pbe']) once all 12 dev scans of scan_budget.md named the same with it: "
-                   "readmit_auto rows made before have 4 x 128 (their schedule's scan_budget)",
-                   replace(DEFAULT, scan_budget=replace(SCAN_BUDGETS["pbe"], epochs=1, batch_size=16))),
+    "ranked_mask_warm": ("the default (SCHEDULES['targeted']), found as readmit_auto + ranked readmission (round 2 "
+                         "readmits the median label's count of the target's samples, those the purified model gives "
+                         "the target the highest probability, with their label: lenet_overerasure's readmit_ranked) "
+                         "+ a mask family beside L2 and warp (mask_family) + each epoch after a round's first "
+                         "continuing the last perturbation for one pass (universal_refresh 1) + no monitor",
+                         DEFAULT),
+    "ranked_mask_warm_oracle": ("the default given the true target (oracle: the erasure alone)", DEFAULT),
+    "no_mask": ("the default without the mask family (additive L2 and warp only)",
+                replace(DEFAULT, families=tuple(f for f in DEFAULT.families if f.kind != "mask"))),
+    "fresh_universal": ("the default re-optimising every epoch's perturbations from a fresh start (universal_refresh "
+                        "None: 5 passes over 512 images per family and epoch)",
+                        replace(DEFAULT, universal_refresh=None)),
     "paper": ("the authors' schedule (~21 epoch-equivalents)", SCHEDULES["paper"]),
-    "no_augment": ("the default fine-tuning without random crops (crop_padding 0; flips stay where the data allows "
-                   "them): does augmentation a model was not trained with cost it accuracy?",
-                   replace(DEFAULT, crop_padding=0)),
-    "no_calibration": ("the default with the universal budget kept at the scan's (universal_reach 0: no doubling "
-                       "until it reaches 80 % of held-out images)", replace(DEFAULT, universal_reach=0.0)),
-    "lr3e-4": ("the default at lr 3e-4 (1e-3)", replace(DEFAULT, lr=3e-4)),
-    "mask_family": ("the default plus a third universal family, a mask (Neural Cleanse's (1 - m) x + m p) over 1 % "
-                    "of the pixels, optimised toward the target like the others and calibrated the same way (the "
-                    "scan's universal evidence keeps it beside the L2 family): a localised, patch-like trigger "
-                    "that an L2 budget spreads too thin to imitate",
-                    replace(DEFAULT, families=DEFAULT.families + (UniversalConfig(kind="mask", eps=0.01),))),
 }
 
 
 # variants whose rows were made by code that no longer holds their levers (the library keeps what ships): their
 # rows stay in the tables as the story of how the default was found; each row's toolkit_version names the commit
 # to rerun it from
-HISTORY = ("both_families", "cap_target", "cheap_scan", "fast_half_adv_lr1e-3", "isolate_named", "named_trigger",
+HISTORY = ("readmit_auto", "default_oracle", "scan_pass1", "no_augment", "no_calibration", "lr3e-4", "mask_family",
+           "both_families", "cap_target", "cheap_scan", "fast_half_adv_lr1e-3", "isolate_named", "named_trigger",
            "no_readmit", "recal", "relabel_all_isolated", "t2", "t2_pgdt_oracle", "t3", "t3_warp_oracle", "t4",
            "t_cos_oracle", "targeted_isolate", "targeted_oracle", "targeted_relabel", "targeted_v1", "targeted_v2",
            "top", "uni_l2", "uni_l2_clean", "uni_l2_clean_refuse", "uni_patch", "uni_t_refuse", "uni_t_refuse_pgd",

@@ -168,8 +168,8 @@ def run_cell(name: str, defense: str, schedule: str, seed: int, given_target: bo
                  "check_acc_drop": report["check_acc_drop"]}
     else:
         extra = {"rounds": len(report["rounds"]), "stopped_early": report.get("stopped_early"),
-                 "monitor_before": report["monitor_before"]["top_kappa"],
-                 "monitor_after": report["monitor_after"]["top_kappa"],
+                 "monitor_before": (report.get("monitor_before") or {}).get("top_kappa"),
+                 "monitor_after": (report.get("monitor_after") or {}).get("top_kappa"),
                  "detection": report["rounds"][-1].get("detection")}
     row = defence_row(zoo_cell(entry, defense, setting, seed, schedule=schedule, **given), m["command"], report, entry,
                       params=report["params"], **extra)

@@ -270,13 +270,14 @@ class UniversalConfig:
 
 def universal_perturbation(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
                            cfg: UniversalConfig | None = None, generator: torch.Generator | None = None,
-                           device=None, target: int | None = None) -> torch.Tensor:
+                           device=None, target: int | None = None, start: torch.Tensor | None = None) -> torch.Tensor:
     """One untargeted perturbation (C, H, W) that raises the loss of every image's true label
     (Moosavi-Dezfooli et al. 2017, optimised by mini-batch signed / normalised gradient ascent), or
     with `target`, one that lowers every image's loss for that label (a trigger-like direction).
     For "linf" / "l2" it is added to an image, for "patch" pasted, for "mask" (mask and pattern stacked,
     (1 + C, H, W)) blended, for "warp" (a control grid of
-    displacements) resampled along: ``apply_universal`` does each."""
+    displacements) resampled along: ``apply_universal`` does each. `start`: an earlier perturbation of the same
+    kind and shape to continue from (default None: a fresh start)."""
     cfg = cfg or UniversalConfig()
     dev = device or next(model.parameters()).device
     c, h, w = images.shape[1:]
@@ -297,6 +298,11 @@ def universal_perturbation(model: nn.Module, images: torch.Tensor, labels: torch
     else:
         delta = torch.zeros(c, h, w, device=dev)
         step = cfg.eps / 4 if cfg.step is None else cfg.step
+    if start is not None:
+        if start.shape != delta.shape:
+            raise PBEError(f"universal perturbation: start has shape {tuple(start.shape)}, a {cfg.kind} perturbation "
+                           f"of these images {tuple(delta.shape)}")
+        delta = start.clone().to(dev)
     with attacking(model):
         for _ in range(cfg.epochs):
             order = torch.randperm(len(images), generator=generator)

@@ -27,7 +27,7 @@ DIGITS_SCAN_L2_RMS = 0.1
 # threads loses 4.4 (99.4 -> 95.0 %). The demo prints a warning line above ACC_DROP_WARNING instead of hiding it.
 DIGITS_SCHEDULE = Schedule(targeted=False, fractions=(0.1, 0.5), epochs=(8, 6), adv_batches=(None, 4),
                            pgd_config=DIGITS_PGD, lr=0.01, lr_schedule="constant", batch_size=64, crop_padding=1,
-                           balanced=False, early_stop=True, probe_size=300, monitor_pgd=DIGITS_PGD)
+                           balanced=False, monitor=True, early_stop=True, probe_size=300, monitor_pgd=DIGITS_PGD)
 
 # what the demo plants
 ATTACK, TARGET, RATE, TRAIN_EPOCHS = "blend", 0, 0.1, 12

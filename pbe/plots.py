@@ -14,10 +14,10 @@ def _plt():
 
 
 def plot_rounds(report: dict, path: str | Path) -> None:
-    """ACC / ASR (when measured) and the monitor's attraction (kappa) per round."""
+    """ACC / ASR (when measured) per round, beside the erasure tracker's reach toward the target (filled: "still
+    there", open: "gone") or, where the schedule ran it, the monitor's attraction (kappa)."""
     plt = _plt()
     rounds = [0] + [r["round"] for r in report["rounds"]]
-    mons = [report["monitor_before"]] + [r["monitor"] for r in report["rounds"]]
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
     metrics = [report.get("before") or {}] + [r.get("metrics") or {} for r in report["rounds"]]
     for key in ("acc", "asr", "ra"):
@@ -27,10 +27,26 @@ def plot_rounds(report: dict, path: str | Path) -> None:
     ax[0].set(xlabel="round", ylabel="%", title="metrics (evaluation only)")
     if ax[0].lines:
         ax[0].legend()
-    ax[1].plot(rounds, [m["top_kappa"] for m in mons], marker="o", label="kappa of the top label")
-    ax[1].axhline(mons[0]["threshold"], color="grey", ls="--", label="threshold")
-    ax[1].set(xlabel="round", ylabel="kappa", title="adversarial-label monitor")
-    ax[1].legend()
+    mons = [report.get("monitor_before")] + [r.get("monitor") for r in report["rounds"]]
+    tracked = [report.get("tracker_before")] + [r.get("tracker") for r in report["rounds"]]
+    if all(mons):
+        ax[1].plot(rounds, [m["top_kappa"] for m in mons], marker="o", label="kappa of the top label")
+        ax[1].axhline(mons[0]["threshold"], color="grey", ls="--", label="threshold")
+        ax[1].set(xlabel="round", ylabel="kappa", title="adversarial-label monitor")
+        ax[1].legend()
+    elif all(tracked):
+        reach = [100 * t["reach"] for t in tracked]
+        ax[1].plot(rounds, reach, color="C0", zorder=1)
+        for there, marker_face in ((True, "C0"), (False, "white")):
+            pts = [(x, y) for x, y, t in zip(rounds, reach, tracked) if t["there"] is there]
+            if pts:
+                ax[1].scatter(*zip(*pts), color=marker_face, edgecolor="C0", zorder=2,
+                              label="still there" if there else "gone")
+        ax[1].set(xlabel="round", ylabel="% of held-out images", ylim=(0, 105),
+                  title=f"erasure tracker: reach toward label {tracked[0]['label']}")
+        ax[1].legend()
+    else:
+        ax[1].set_axis_off()
     for a in ax:
         a.set_xticks(rounds)  # whole rounds only
     fig.tight_layout()

@@ -2,7 +2,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pbe import metrics
 from pbe.activations import kappa_detect, label_concentration, neuron_overlap
@@ -182,7 +181,8 @@ def test_aft_targeted_checks_its_work_on_held_out_clean_images(blend_model, digi
                         crop_padding=1, evaluation=Evaluation(digits[1], attack))
     assert report["target"] == attack.target and report["check_size"] == round(0.2 * len(clean))
     assert set(seen) == {len(clean) - report["check_size"]}  # fine-tuned on the rest only
-    assert [c["epochs"] for c in report["check"]] == list(range(2, 2 * len(report["check"]) + 1, 2))
+    assert [c["epochs"] for c in report["check"]] == [2, 4, 6, 8]  # the default never stops on the tracker
+    assert report["stopped"] is None and report["epochs_run"] == 8
     assert all({"tracker", "check_acc", "check_acc_drop", "passes"} <= set(c) for c in report["check"])
     spent = [c["passes"]["forward_backward"] for c in report["check"]]
     assert spent == sorted(spent) and spent[0] > 0  # the cost so far, at every check
@@ -243,13 +243,14 @@ def test_the_default_distrusts_the_scanned_target_and_aims_every_perturbation_at
     """The scan names the Blend target (0); round 1 never trains on that label, every epoch's universal
     perturbation is targeted at it, of the family whose scan named it, and the scan is in the cost; the
     untargeted "fast" schedule runs no scan."""
+    from pbe.defenses.pbe import FAMILIES
     model, attack, poisoned = blend_model
     report, calls = _universal_calls(blend_model, digits_default(fractions=(0.2,), epochs=(2,), adv_batches=(None,),
                                                                  universal_images=64, universal_reach=0.0))
     scan = report["scan"]
     assert scan["suspected"] and scan["label"] == attack.target, scan
     assert calls and {t for _, t in calls} == {attack.target}
-    assert {c.kind for c, _ in calls} == set(report["plan"]["families"]) & {"l2", "warp"}
+    assert {c.kind for c, _ in calls} == set(report["plan"]["families"]) & {c.kind for c in FAMILIES}
     assert set(report["plan"]["families"]) == set(SCAN_FAMILIES[scan["evidence"]])
     first = torch.tensor(report["rounds"][0]["subset_indices"])
     assert (poisoned.labels[first] != attack.target).all()
@@ -257,6 +258,35 @@ def test_the_default_distrusts_the_scanned_target_and_aims_every_perturbation_at
     _, fast = erase(model, poisoned, replace(DIGITS_SCHEDULE, fractions=(0.2,), epochs=(1,), adv_batches=(None,)),
                     seed=0, progress=False)
     assert "scan" not in fast and fast["plan"]["distrust"] == "none"
+
+
+def test_each_epoch_after_a_rounds_first_continues_the_last_perturbation(blend_model):
+    """universal_refresh: a round's first epoch optimises each family's perturbation afresh (its config's epochs);
+    every later epoch continues from the last one's (`start`) for universal_refresh passes; None: always fresh."""
+    import pbe.defenses.pbe as defense
+    model, _, poisoned = blend_model
+    for refresh in (1, None):
+        starts = []
+        real_uni = defense.universal_perturbation
+
+        def spy(m, x, y, cfg, *a, start=None, **k):
+            delta = real_uni(m, x, y, cfg, *a, start=start, **k)
+            starts.append((cfg.kind, cfg.epochs, start))
+            return delta
+        s = digits_default(fractions=(0.2, 0.3), epochs=(3, 2), universal_images=64, universal_reach=0.0,
+                           universal_refresh=refresh)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(defense, "universal_perturbation", spy)
+            _, report = erase(model, poisoned, s, seed=0, progress=False)
+        kinds = len(set(report["plan"]["families"]) & {c.kind for c in s.families})
+        per_epoch = [starts[i:i + kinds] for i in range(0, len(starts), kinds)]
+        assert len(per_epoch) == 3 + 2
+        fresh = [all(st is None for _, _, st in e) for e in per_epoch]
+        assert fresh == ([True, False, False, True, False] if refresh else [True] * 5)
+        if refresh:
+            assert all(n == refresh for _, n, st in per_epoch[1] + per_epoch[4])
+    with pytest.raises(PBEError, match="universal_refresh"):
+        Schedule(universal_refresh=0)
 
 
 def test_a_given_target_takes_the_scans_place_and_selection_stays_balanced(blend_model):
@@ -362,20 +392,29 @@ def test_balanced_selection_takes_every_labels_share_and_never_a_refused_sample(
     assert len(plain) == 90 and score[plain].max() <= score[torch.isfinite(score)].sort().values[89]
 
 
-def test_readmission_takes_the_targets_samples_still_assigned_to_it_but_never_isolated_poison():
-    """Rounds.select: with a readmitting plan, the target's samples the purified model still assigns to the target
-    may join the next subset, except those the isolation holds as poison (their trigger may still work)."""
+def test_readmission_takes_a_typical_labels_worth_of_the_target_ranked_by_its_probability_never_isolated_poison():
+    """Rounds.select with a readmitting plan: of the target's samples, as many as the median label holds, those the
+    purified model gives the target the highest probability, join the next subset, never one the isolation holds
+    as poison; Rounds.relabel keeps the readmitted ones' label and moves only the others."""
+    from pbe.data import ImageDataset
     from pbe.defenses.pbe import Plan, Rounds
-    labels = torch.arange(4).repeat_interleave(10)  # target 0: samples 0-9
-    z = F.one_hot(labels, 4).float()
-    z[5:10] = F.one_hot(torch.ones(5, dtype=torch.long), 4).float()  # samples 5-9 moved to label 1
-    isolated = torch.zeros(40, dtype=torch.bool)
-    isolated[:2] = True
-    plan = Plan(target=0, named_by="scan and cluster", distrust="target", readmit=True, check_cluster=True)
-    state = Rounds(plan, labels == 0, isolated, labels != 0, torch.arange(10, 40), torch.zeros(40, dtype=torch.bool),
-                   None)
-    state.select(z, torch.zeros(40), labels, fraction=1.0, balanced=True)
-    assert state.subset.tolist() == [2, 3, 4] + list(range(10, 40))
+    labels = torch.cat([torch.zeros(20, dtype=torch.long), torch.arange(1, 4).repeat_interleave(10)])  # target 0: 0-19
+    z = torch.zeros(50, 4)
+    z[:20, 0] = 20 - torch.arange(20).float()  # the target's probability falls with the index
+    z[torch.arange(20, 50), labels[20:]] = 30.0
+    z[15] = torch.tensor([0.0, 0.0, 9.0, 0.0])  # moved confidently to label 2
+    isolated = torch.zeros(50, dtype=torch.bool)
+    isolated[:2] = True  # the two the purified model finds most target-like are isolated poison
+    plan = Plan(target=0, named_by="scan", distrust="target", readmit=True, relabel="moved")
+    data = ImageDataset(torch.zeros(50, 1, 2, 2, dtype=torch.uint8), labels, [str(c) for c in range(4)])
+    state = Rounds(plan, labels == 0, isolated, labels != 0, torch.arange(20, 50), torch.zeros(50, dtype=torch.bool),
+                   data)
+    state.select(z, torch.zeros(50), labels, fraction=1.0, balanced=True)
+    assert state.subset.tolist() == list(range(2, 12)) + list(range(20, 50))  # 10: the median label's count
+    row = {}
+    state.relabel(z, data, row)
+    assert state.train_view.labels[15] == 2 and (state.train_view.labels[2:12] == 0).all() and row["relabelled"] == 1
+    assert 15 in state.subset.tolist()
 
 
 def test_relabelled_moves_confident_samples_and_all_gives_every_distrusted_one_another_label():

@@ -129,8 +129,9 @@ def run_defense(args, defense) -> dict:
         write_json(stage / "report.json", report)
         summary = {k: report.get(k) for k in ("defense", "setting", "params", "before", "after", "der", "detection",
                                               "epoch_equivalents", "wall_s")}
-        if "monitor_before" in report:
+        if "rounds" in report:
             plot_rounds(report, stage / "rounds.png")
+        if report.get("monitor_before") and report.get("monitor_after"):  # the schedules that run the monitor
             plot_histograms(report["monitor_before"], report["monitor_after"], stage / "adversarial_labels.png",
                             test.classes)
             for when in ("monitor_before", "monitor_after"):
