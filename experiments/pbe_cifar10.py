@@ -94,12 +94,19 @@ def summary_markdown(rows: list[dict], dataset: str = "cifar10") -> str:
             f"<= {GOAL_EE:g} epoch-equivalents. ACC drop in points, ASR after in %.")
     head = ["| {} | models | goal met | ACC drop | ASR after | epoch-eq. |", "|---|---|---|---|---|---|"]
     lines = [f"## PBE's default ({DEFAULT_SCHEDULE}) per zoo set", "", goal,
-             "Every infected model the default ran on (no clean data, no trigger, no target given).", ""]
+             "Every infected model the current default ran on (no clean data, no trigger, no target given); a model "
+             "whose row an earlier default made is listed apart until its row is redone.", ""]
     for zoo_set in ("dev", "generalisation"):
-        rs = [r for (s, name, _), r in latest.items() if s == zoo_set and name == f"pbe ({DEFAULT_SCHEDULE})"]
+        found = [r for (s, name, _), r in latest.items() if s == zoo_set and name == f"pbe ({DEFAULT_SCHEDULE})"]
+        rs, old = [r for r in found if not stale(r)], sorted(r["zoo"] for r in found if stale(r))
+        if not found:
+            continue
+        lines += [f"### {zoo_set} set", ""]
+        if old:
+            lines += [f"Rows of an earlier default, left out: {', '.join(f'`{m}`' for m in old)}.", ""]
         if not rs:
             continue
-        lines += [f"### {zoo_set} set", "", head[0].format("group"), head[1], _means_line("**all**", rs)]
+        lines += [head[0].format("group"), head[1], _means_line("**all**", rs)]
         for title, key in (("attack", _attack), ("architecture", _family), ("poison rate", _rate)):
             for value in sorted({key(r) for r in rs}, key=lambda v: (len(v), v) if key is _rate else v):
                 lines.append(_means_line(f"{title}: {value}", [r for r in rs if key(r) == value]))
