@@ -6,7 +6,7 @@ the erasure tracker's "gone" at a check (AFT's stop rule: ``stop_after`` such re
 ASR is at the goal's 2 %. The clean set is the one ``pbe erase --setting clean-extra`` draws (5 % of the clean
 training set, seed 0); the test set and the attack measure every check (``Evaluation``), never the defence.
 
-    python experiments/aft_checks.py [--only cifar10/badnets ...] [--variants default mask_family] [--epochs 20]
+    python experiments/aft_checks.py [--only cifar10/badnets ...] [--variants default no_mask] [--epochs 20]
 
 Variants, levers joined by "+": ``default`` (AFT's targeted schedule as it ships, run without a stop); ``no_mask``
 (without the mask family: additive L2 and warp only); ``fresh`` (every epoch's perturbations from a fresh start,
@@ -14,14 +14,13 @@ Variants, levers joined by "+": ``default`` (AFT's targeted schedule as it ships
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import importlib
 
 import torch
 
-from common import built_zoo_models, provenance, run_missing
+from common import built_zoo_models, provenance, run_missing, zoo_parser
 
 import pbe.zoo
 from pbe.data import load as load_data
@@ -118,8 +117,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="*", help="zoo names (default: the CIFAR-10 dev set's infected models)")
+    ap = zoo_parser(__doc__, "zoo names (default: the CIFAR-10 dev set's infected models)")
     ap.add_argument("--variants", nargs="*", default=["default"], choices=VARIANTS)
     ap.add_argument("--epochs", type=int, default=A.AFT.defaults["epochs"])
     args = ap.parse_args()

@@ -1,6 +1,7 @@
 """Shared by the experiment scripts: zoo models to start from, one CLI cell, and results rows."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -24,6 +25,18 @@ RUNS = Path(os.environ.get("PBE_RUNS", "runs"))
 def provenance(command: str) -> dict:
     """The fields that say how a row was made: its command, the hardware and the toolkit's version."""
     return {"command": command, "hardware": hardware_string(), "toolkit_version": toolkit_version()}
+
+
+def zoo_parser(doc: str, only_help: str = "zoo names") -> argparse.ArgumentParser:
+    """A small analysis script's command line: its docstring's first line, and ``--only`` zoo names."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--only", nargs="*", help=only_help)
+    return ap
+
+
+def hardware_footer(rows: list[dict]) -> list[str]:
+    """A small table's last lines: the hardware its first row ran on."""
+    return ["", f"Hardware: {rows[0]['hardware']}." if rows else ""]
 
 
 def run_missing(table: str, cells: list[dict], run, markdown, describe) -> list[dict]:

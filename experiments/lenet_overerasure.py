@@ -29,7 +29,6 @@ is also run on other dev models (``--only``) before it can become the default.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import time
 from dataclasses import replace
@@ -37,7 +36,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from common import provenance, run_missing
+from common import hardware_footer, provenance, run_missing, zoo_parser
 import pbe.zoo
 from pbe.adversarial import UniversalConfig
 from pbe.defenses import Evaluation, erase
@@ -158,13 +157,12 @@ def markdown(rows: list[dict]) -> str:
                      f"{100 * r['recall_before'][t]:.1f} -> {100 * r['recall'][t]:.1f} | "
                      f"{others(r['recall_before']):.1f} -> {others(r['recall']):.1f} | {relabelled} | "
                      f"{100 * r['acc_drop_estimate']:.1f} | {r['epoch_equivalents']:.2f} | {r['wall_s']:.0f} |")
-    lines += ["", f"Hardware: {rows[0]['hardware']}." if rows else ""]
+    lines += hardware_footer(rows)
     return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="*", help="zoo names")
+    ap = zoo_parser(__doc__)
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     args = ap.parse_args()
     run_missing("lenet_overerasure", [{"zoo": n, "variant": v} for n in args.only or MODELS for v in args.variants],

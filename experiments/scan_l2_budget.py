@@ -10,9 +10,8 @@ budget (``SCAN_BUDGETS["pbe"]``) and the additive family alone, at a multiple of
 """
 from __future__ import annotations
 
-import argparse
 
-from common import provenance, run_missing
+from common import hardware_footer, provenance, run_missing, zoo_parser
 
 import pbe.zoo
 from pbe.detection import SCAN_BUDGETS, SCAN_L2_RMS, detect
@@ -47,13 +46,12 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['zoo']} | {'–' if r['target'] is None else r['target']} | {r['multiple']:g} x | "
                      f"{r['top_label']} | {r['z']:.2f} | {'yes' if r['suspected'] else 'no'} | {to_target} | "
                      f"{100 * median:.1f} |")
-    lines += ["", f"Hardware: {rows[0]['hardware']}." if rows else ""]
+    lines += hardware_footer(rows)
     return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="*", help="zoo names")
+    ap = zoo_parser(__doc__)
     ap.add_argument("--multiples", nargs="*", type=float, default=list(MULTIPLES))
     args = ap.parse_args()
     run_missing("scan_l2_budget", [{"zoo": n, "multiple": m} for n in args.only or MODELS for m in args.multiples],
