@@ -19,6 +19,7 @@ from common import run_cell as run_command
 from grid import Cell, execute, median_cost, script_main
 
 from pbe import zoo
+from pbe.defenses.aft import AFT
 from pbe.defenses.pbe import DEFAULT_SCHEDULE, PBE
 from pbe.train import RECIPES
 from pbe.utils import json_safe
@@ -130,7 +131,10 @@ def stale(row: dict) -> bool:
     """A row of PBE's default made by an earlier default is redone (it stays until the new row replaces it): one
     without the erasure tracker (before it and the one-verdict plan), or whose resolved schedule differs from the
     default's now (e.g. another scan budget), or made before the augmentation check on a model its zoo recipe trained
-    without augmentation (the check changes what such a run fine-tunes on)."""
+    without augmentation (the check changes what such a run fine-tunes on). A row of AFT's default is redone when
+    its parameters differ from the default's now (e.g. its stop rule)."""
+    if row["defense"] == "aft" and row_schedule(row) == AFT_SCHEDULE:
+        return row.get("params") != json_safe(AFT().params)
     if row["defense"] != "pbe" or row_schedule(row) != DEFAULT_SCHEDULE or row.get("given_target"):
         return False
     now = json_safe(PBE().resolved()["schedule"])
