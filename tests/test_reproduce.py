@@ -312,22 +312,29 @@ def test_defence_rows_made_with_another_budget_are_redone():
 def test_pbe_table_means_per_set_keep_one_failure_apart():
     """The PBE table's summary: the default per zoo set with its means per attack, architecture and rate; per zoo
     set and schedule, the models meeting the goal and the means, also without the model of the highest ASR; a
-    row told the target is left out, a rerun replaces its model's."""
+    row told the target is left out, a rerun replaces its model's; the default's means leave out a row an earlier
+    default made, and name its model."""
     sys.path.insert(0, str(EXPERIMENTS))
     import pbe_cifar10 as pc
+
+    from pbe.defenses.pbe import PBE
+    from pbe.utils import json_safe
+    now = {"schedule": json_safe(PBE().resolved()["schedule"])}  # made by the current default
 
     def row(zoo, zoo_set, asr, acc=0.83, ee=2.8, model="preact_resnet18(width=16)", rate=0.1, **extra):
         return {"zoo": zoo, "zoo_set": zoo_set, "defense": "pbe", "schedule": "targeted", "acc_before": 0.85,
                 "acc": acc, "asr": asr, "epoch_equivalents": ee, "model": model, "attack": "badnets", "rate": rate,
-                "all_to_all": False, **extra}
+                "all_to_all": False, "tracker": [], "params": now, **extra}
     rows = [row("a", "generalisation", 0.5), row("b", "generalisation", 0.02, model="lenet(width=6)", rate=0.01),
             row("c", "generalisation", 0.04),
             row("c", "generalisation", 0.01, acc=0.80),  # c's rerun: 5 ACC points lost, so not the goal
-            row("a", "generalisation", 0.0, given_target=True), row("d", "dev", 0.01, ee=3.5)]
+            row("a", "generalisation", 0.0, given_target=True), row("d", "dev", 0.01, ee=3.5),
+            row("e", "dev", 0.5, params={"schedule": {"families": "an earlier default's"}})]
     md = pc.summary_markdown(rows, dataset="none")
+    assert "Rows of an earlier default, left out: `e`." in md.split("### dev set")[1]
     gen = next(line for line in md.splitlines() if line.startswith("| generalisation"))
     assert gen == "| generalisation | pbe (targeted) | 3 | 1 of 3 | 3.00 | 17.67 | 2.80 | 1.50 (without `a`) |"
-    assert "| dev | pbe (targeted) | 1 | 0 of 1 |" in md and md.count("| dev |") == 1  # 3.5 epoch-eq.: not the goal
+    assert "| dev | pbe (targeted) | 2 | 0 of 2 |" in md and md.count("| dev |") == 1  # 3.5 epoch-eq.: not the goal
     general = md.split("### generalisation set")[1]
     assert "| architecture: lenet | 1 | 1 of 1 | 2.00 | 2.00 | 2.80 |" in general
     assert "| poison rate: 10 % | 2 | 0 of 2 |" in general and "| **all** | 3 | 1 of 3 |" in general
