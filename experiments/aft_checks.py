@@ -18,13 +18,11 @@ import contextlib
 import functools
 import importlib
 
-import torch
-
 from common import built_zoo_models, provenance, run_missing, zoo_parser
 
 import pbe.zoo
 from pbe.data import load as load_data
-from pbe.cli.defend import CLEAN_FRACTION
+from pbe.cli.defend import CLEAN_FRACTION, clean_indices
 from pbe.defenses import Evaluation
 from pbe.utils import Cost
 
@@ -51,17 +49,11 @@ def variant_schedule(variant: str):
         A.Schedule = real
 
 
-def clean_set(train):
-    """The CLI's clean extra set: CLEAN_FRACTION of the clean training set, drawn with seed 0."""
-    idx = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:round(CLEAN_FRACTION * len(train))]
-    return idx.sort().values
-
-
 def run(zoo: str, variant: str, epochs: int) -> dict:
     name = zoo
     entry, z = pbe.zoo.get(name), pbe.zoo.load(name)
     clean_train = load_data(entry.dataset, pbe.zoo.default_data_root(entry.dataset), "train")
-    clean = clean_train.subset(clean_set(clean_train))
+    clean = clean_train.subset(clean_indices(len(clean_train), CLEAN_FRACTION, 0))  # as `pbe erase` draws it
     with variant_schedule(variant):
         result = A.AFT(epochs=epochs, stop_after=NEVER)(z.model, clean, seed=0, progress=False,
                                                        evaluation=Evaluation(z.test_set, z.attack, None),

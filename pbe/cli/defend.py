@@ -59,6 +59,11 @@ DEFENSE_STATE = "state"  # in the staging folder: the defence's resumable stages
 CLEAN_FRACTION = 0.05  # clean-extra defences: the share of the clean training set they get (BackdoorBench's)
 
 
+def clean_indices(n: int, fraction: float, seed: int) -> torch.Tensor:
+    """The clean extra set a clean-extra defence gets: a seeded draw of `fraction` of `n` training samples, sorted."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:round(fraction * n)].sort().values
+
+
 def _setting_options(args, defense) -> None:
     """Refuse the data options of the other setting (the defence would ignore them); default --clean-fraction."""
     if defense.setting == "no-clean" and args.clean_fraction is not None:
@@ -117,10 +122,9 @@ def run_defense(args, defense) -> dict:
             if args.poison_from and attack is None:
                 import attacks
                 attack = attacks.load(Path(args.poison_from) / "attack")
-            gen = torch.Generator().manual_seed(args.seed)
-            idx = torch.randperm(len(clean_train), generator=gen)[:round(args.clean_fraction * len(clean_train))]
-            inputs = clean_train.subset(idx.sort().values)
-            extra["clean_indices"] = idx.sort().values.tolist()
+            idx = clean_indices(len(clean_train), args.clean_fraction, args.seed)
+            inputs = clean_train.subset(idx)
+            extra["clean_indices"] = idx.tolist()
         result = defense(model, inputs, seed=args.seed, device=args.device, progress=not args.no_progress,
                          evaluation=Evaluation(test, attack, poison_indices), train_size=len(clean_train),
                          state_dir=stage / DEFENSE_STATE)
